@@ -1,0 +1,35 @@
+"""Container images the tasks run in, as flytekit ImageSpecs.
+
+Locally `pyflyte run` executes in the current environment and builds nothing; on a cluster
+`pyflyte run --remote` / `pyflyte register` build or look up these images.  The packages mirror
+pyproject.toml; the CPU build of torch comes from PyTorch's CPU wheel index.
+"""
+
+from flytekit import ImageSpec
+
+CPU_PACKAGES = [
+    "torch==2.13.0",
+    "flytekit>=1.16,<1.17",
+    "flytekitplugins-kfpytorch>=1.16,<1.17",
+    "flytekitplugins-ray>=1.16,<1.17",
+    "flytekitplugins-pandera>=1.16,<1.17",
+    "flytekitplugins-deck-standard>=1.16,<1.17",
+    "pandera>=0.35",
+    "mlflow>=3,<4",
+    "ray[default]>=2.60,<3",
+    "transformers>=5.20,<6",
+    "safetensors>=0.6",
+    "tokenizers>=0.22",
+    "pyarrow>=20",
+    "pyyaml>=6",
+    "tqdm>=4.66",
+    "matplotlib>=3.9",
+]
+
+cpu_image = ImageSpec(
+    name="miles-flyte-cpu",
+    python_version="3.11",
+    packages=CPU_PACKAGES,
+    pip_extra_index_url=["https://download.pytorch.org/whl/cpu"],
+    registry="ghcr.io/miles-flyte",
+)

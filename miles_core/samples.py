@@ -1,0 +1,68 @@
+"""Samples and rollout batches.
+
+A `Sample` is one response to one prompt, token in and token out: the prompt's token ids, the
+response's token ids as generated (never re-tokenised), one rollout log-prob and one loss-mask
+entry per response token, how generation ended and the weight version that produced it.
+A rollout batch is a list of samples, `group_size` consecutive samples per prompt; on disk it is
+a parquet file whose schema `miles_core.schemas` checks at every task boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+import pandas as pd
+
+
+@dataclass
+class Sample:
+    prompt_id: str  # stable id of the prompt in its source
+    index: int  # position within its group, 0..n-1
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    rollout_logprobs: list[float]  # [T] log-prob of each response token under the rollout policy
+    loss_mask: list[int]  # [T] 1 = the policy's own token, trained on
+    finish_reason: str  # stop | length | abort
+    weight_version: int  # policy version that generated the response
+    label: str  # reference answer, as the data source gave it
+    metadata: dict = field(default_factory=dict)
+    reward: float = float("nan")  # filled by scoring
+
+    @property
+    def sample_id(self) -> str:
+        return f"{self.prompt_id}/{self.index}"
+
+
+COLUMNS = [f.name for f in fields(Sample)]
+
+
+def to_frame(samples: list[Sample]) -> pd.DataFrame:
+    rows = []
+    for s in samples:
+        row = asdict(s)
+        row["metadata"] = json.dumps(s.metadata, sort_keys=True)
+        row["sample_id"] = s.sample_id
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["sample_id", *COLUMNS])
+
+
+def from_frame(frame: pd.DataFrame) -> list[Sample]:
+    out = []
+    for row in frame.itertuples(index=False):
+        out.append(
+            Sample(
+                prompt_id=str(row.prompt_id),
+                index=int(row.index),
+                prompt_tokens=[int(t) for t in row.prompt_tokens],
+                response_tokens=[int(t) for t in row.response_tokens],
+                rollout_logprobs=[float(x) for x in row.rollout_logprobs],
+                loss_mask=[int(m) for m in row.loss_mask],
+                finish_reason=str(row.finish_reason),
+                weight_version=int(row.weight_version),
+                label=str(row.label),
+                metadata=json.loads(row.metadata),
+                reward=float(row.reward),
+            )
+        )
+    return out

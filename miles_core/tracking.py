@@ -1,0 +1,87 @@
+"""MLflow helpers: one experiment per recipe, one run per workflow execution.
+
+Stages return their metrics as typed outputs; only the (uncached) tracking steps write to
+MLflow, so a resumed execution logs the cached iterations too and every run is complete.
+mlflow is imported here only, inside the functions, because the core must import without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles_core.config import TrackingConfig
+
+
+def tracking_uri(cfg: TrackingConfig, run_root: str) -> str:
+    return cfg.tracking_uri or f"sqlite:///{Path(run_root).resolve()}/mlflow.db"
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient  # heavy import, only where tracking happens
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def start_run(uri: str, experiment: str, artifact_root: str, run_name: str, params: dict, tags: dict) -> str:
+    client = _client(uri)
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(
+        experiment, artifact_location=Path(artifact_root).resolve().as_uri()
+    )
+    run = client.create_run(experiment_id, run_name=run_name, tags={k: str(v) for k, v in tags.items()})
+    from mlflow.entities import Param  # heavy import, only where tracking happens
+
+    items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+        client.log_batch(run.info.run_id, params=items[start : start + 100])
+    return run.info.run_id
+
+
+def log_metrics(uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
+    from mlflow.entities import Metric  # heavy import, only where tracking happens
+    import time
+
+    now = int(time.time() * 1000)
+    client = _client(uri)
+    client.log_batch(run_id, metrics=[Metric(k.replace("/", "_"), float(v), now, step) for k, v in metrics.items()])
+
+
+def log_dict(uri: str, run_id: str, data: dict, artifact_file: str) -> None:
+    _client(uri).log_dict(run_id, data, artifact_file)
+
+
+def set_tags(uri: str, run_id: str, tags: dict) -> None:
+    client = _client(uri)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, str(value))
+
+
+def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in _client(uri).get_metric_history(run_id, key.replace("/", "_"))]
+
+
+def reward_curve(uri: str, run_id: str, out_png: str) -> str:
+    """Plot training reward and held-out accuracy against iteration; returns the PNG path."""
+    import matplotlib  # heavy import, only for the plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, label in (("reward/mean", "train reward (mean)"), ("eval/accuracy", "held-out greedy accuracy")):
+        points = sorted(history(uri, run_id, key))
+        if points:
+            ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3, label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    _client(uri).log_artifact(run_id, out_png)
+    return out_png
+
+
+def end_run(uri: str, run_id: str) -> None:
+    _client(uri).set_terminated(run_id)

@@ -1,0 +1,46 @@
+"""Publishing: a policy version is an ordinary HF safetensors directory plus a lineage manifest.
+
+Any rollout engine (the embedded torch engine, SGLang's update_weights_from_disk) loads it as is.
+`policy.json` records the version, its parent version, the checkpoint it came from and the
+sha256 of its weights, which the tracking step logs as the version's lineage.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from miles_core.storage import atomic_dir, sha256_file
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+
+
+def write_manifest(policy_dir: str | Path, version: int, parent_version: int | None, source: str) -> dict:
+    manifest = {
+        "version": version,
+        "parent_version": parent_version,
+        "source": source,
+        "weights_sha256": sha256_file(Path(policy_dir) / "model.safetensors"),
+    }
+    (Path(policy_dir) / "policy.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def read_manifest(policy_dir: str | Path) -> dict:
+    return json.loads((Path(policy_dir) / "policy.json").read_text())
+
+
+def publish(trainer, ckpt_dir: str, out_dir: str | Path, dtype: str, version: int, parent_version: int | None) -> dict:
+    """Export the trainer's policy to out_dir as version `version`; returns its manifest."""
+    with atomic_dir(out_dir) as tmp:
+        trainer.export_hf(str(tmp), dtype)
+        copy_tokenizer(ckpt_dir, tmp)
+        manifest = write_manifest(tmp, version, parent_version, source=str(ckpt_dir))
+    return manifest

@@ -1,0 +1,84 @@
+"""Typed values that flow between the tasks, and what every task shares (image, cache version).
+
+Every directory or file a task returns lives under the run root and is returned with
+`from_source`, so flytekit records its path instead of copying it to a temporary folder that a
+later cache hit could no longer find.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from flytekit.types.directory import FlyteDirectory
+from flytekit.types.file import FlyteFile
+
+import miles_core
+from miles_core.config import config_hash
+from miles_core.data.source import DataState
+from miles_core.storage import digest
+
+
+@dataclass
+class Policy:
+    """A published policy version: an HF safetensors directory."""
+
+    dir: FlyteDirectory
+    version: int
+
+
+@dataclass
+class Checkpoint:
+    """A trainer checkpoint (model, optimizer, RNG, step) in the backend's own format."""
+
+    dir: FlyteDirectory
+    step: int
+
+
+@dataclass
+class Dataset:
+    """Train and held-out prompt files, with the sha256 of the train file (the data hash)."""
+
+    train: FlyteFile
+    test: FlyteFile
+    sha256: str
+
+
+@dataclass
+class RolloutResult:
+    batch: FlyteFile
+    state: DataState  # the data source's position after this batch
+    metrics: dict[str, float]
+
+
+@dataclass
+class BatchResult:
+    batch: FlyteFile
+    metrics: dict[str, float]
+
+
+@dataclass
+class TrainResult:
+    ckpt: Checkpoint
+    metrics: dict[str, float]
+
+
+@dataclass
+class Tracking:
+    uri: str
+    run_id: str
+
+
+def lasting_dir(path) -> FlyteDirectory:
+    return FlyteDirectory.from_source(str(path))
+
+
+def lasting_file(path) -> FlyteFile:
+    return FlyteFile.from_source(str(path))
+
+
+def cache_version(*sections: type) -> str:
+    """Derived from the schema and defaults of the config sections a task reads, and the core's
+    version: changing either invalidates that task's cache; the section values are inputs."""
+    schema = [(s.__name__, [(f.name, str(f.type)) for f in fields(s)], config_hash(s())) for s in sections]
+    return f"{miles_core.__version__}-{digest(schema)}"
+

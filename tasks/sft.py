@@ -1,0 +1,28 @@
+"""The supervised warm-start task."""
+
+from __future__ import annotations
+
+from flytekit import task
+from transformers import AutoTokenizer
+
+from containers.images import cpu_image
+from miles_core.config import DataConfig, SFTConfig
+from miles_core.data.source import load_prompts
+from miles_core.storage import artifact_path
+from miles_core.train.sft import demonstrations, run_sft, sft_train_config
+from miles_core.train.torch_backend import TorchTrainer
+from miles_core.weights.publish import publish
+from tasks.common import Dataset, Policy, cache_version, lasting_dir
+
+
+@task(cache=True, cache_version=cache_version(SFTConfig, DataConfig), container_image=cpu_image)
+def sft(cfg: SFTConfig, data: DataConfig, base: Policy, dataset: Dataset, root: str) -> Policy:
+    """SFT on the train split's demonstrations; the result is published as the next version."""
+    tokenizer = AutoTokenizer.from_pretrained(base.dir.path)
+    prompts = load_prompts(dataset.train.path, data.input_key, data.label_key, data.metadata_key)
+    trainer = TorchTrainer.from_hf(base.dir.path, sft_train_config(cfg))
+    metrics = run_sft(trainer, demonstrations(prompts, tokenizer), cfg, tokenizer.pad_token_id)
+    print(f"sft: {cfg.steps} steps, final loss {metrics.get('sft/loss', float('nan')):.4f}")
+    out = artifact_path(root, "sft", 0, cfg, base.dir.path, dataset.sha256)
+    publish(trainer, base.dir.path, out, "float32", version=base.version + 1, parent_version=base.version)
+    return Policy(dir=lasting_dir(out), version=base.version + 1)

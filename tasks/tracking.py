@@ -1,0 +1,72 @@
+"""Tracking tasks (never cached): each workflow execution gets its own complete MLflow run,
+even when its stages are served from the cache."""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import flytekit
+from flytekit import Deck, task
+
+from containers.images import cpu_image
+from miles_core import tracking
+from miles_core.config import RunConfig, config_hash, flatten
+from miles_core.weights.publish import read_manifest
+from tasks.common import Dataset, Policy, Tracking
+
+
+@dataclass
+class Report:
+    accuracy_before: float
+    accuracy_after: float
+    policy: Policy
+    tracking: Tracking
+
+
+@task(cache=False, container_image=cpu_image)
+def start_run(cfg: RunConfig, dataset: Dataset, start: Policy, evaluation: dict[str, float]) -> Tracking:
+    uri = tracking.tracking_uri(cfg.tracking, cfg.run_root)
+    execution = flytekit.current_context().execution_id
+    run_id = tracking.start_run(
+        uri, cfg.tracking.experiment or cfg.name, str(Path(cfg.run_root) / "mlartifacts"), run_name=f"{cfg.name}-{config_hash(cfg)[:6]}",
+        params=flatten(cfg),
+        tags={
+            "config_hash": config_hash(cfg), "data_hash": dataset.sha256, "parent_version": start.version,
+            "flyte.execution_id": f"{execution.project}:{execution.domain}:{execution.name}",
+        },
+    )
+    tracking.log_metrics(uri, run_id, evaluation, step=0)
+    print(f"tracking: MLflow run {run_id} in {uri}")
+    return Tracking(uri=uri, run_id=run_id)
+
+
+@task(cache=False, container_image=cpu_image)
+def log_iteration(run: Tracking, iteration: int, rollout: dict[str, float], score: dict[str, float], train: dict[str, float], evaluation: dict[str, float], policy: Policy) -> None:
+    metrics = {**rollout, **score, **train, **evaluation, "time/logged_at": time.time()}
+    tracking.log_metrics(run.uri, run.run_id, metrics, step=iteration + 1)
+    tracking.log_dict(run.uri, run.run_id, read_manifest(policy.dir.path), f"policies/v{policy.version:04d}.json")
+    line = f"iteration {iteration + 1}: reward {score['reward/mean']:.3f} loss {train['train/loss']:+.4f} policy v{policy.version}"
+    if evaluation:
+        line += f" | held-out accuracy {evaluation['eval/accuracy']:.3f}"
+    print(line, flush=True)
+
+
+@task(cache=False, enable_deck=True, container_image=cpu_image)
+def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float], policy: Policy, root: str) -> Report:
+    manifest = read_manifest(policy.dir.path)
+    tracking.set_tags(run.uri, run.run_id, {
+        "policy_version": policy.version, "policy_dir": policy.dir.path, "policy_sha256": manifest["weights_sha256"],
+    })
+    png = Path(root) / "reports" / f"{run.run_id}-reward_curve.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tracking.reward_curve(run.uri, run.run_id, str(png))
+    image = base64.b64encode(png.read_bytes()).decode()
+    Deck("reward curve", f'<img src="data:image/png;base64,{image}"><p>MLflow run {run.run_id}</p>')
+    tracking.end_run(run.uri, run.run_id)
+    report = Report(before["eval/accuracy"], after["eval/accuracy"], policy, run)
+    print(f"held-out greedy accuracy: before RL {report.accuracy_before:.3f} -> after RL {report.accuracy_after:.3f}")
+    print(f"MLflow: run {run.run_id} ({run.uri}); `make ui` to browse; final policy v{policy.version}: {policy.dir.path}")
+    return report

@@ -1,0 +1,56 @@
+"""The RL workflow: base model -> SFT -> convert -> [rollout -> score -> train -> publish] x N.
+
+    pyflyte run workflows/rl.py rl --cfg "$(python -m miles_core.config recipes/tiny_arith_cpu.yaml)"
+
+Composition only: every stage is a cached task in tasks/, so a re-run with the same config resumes
+after the last completed task, and editing one config section re-runs only what depends on it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flytekit import dynamic, workflow
+
+from containers.images import cpu_image
+from miles_core.config import RunConfig
+from miles_core.data.source import DataState
+from tasks.common import Dataset, Policy, Tracking
+from tasks.prepare import build_model, make_data
+from tasks.rl import convert, evaluate, publish, rollout, score, train
+from tasks.sft import sft
+from tasks.tracking import Report, finish_run, log_iteration, start_run
+
+LoopResult = NamedTuple("LoopResult", [("policy", Policy), ("evaluation", dict[str, float])])
+
+
+@dynamic(container_image=cpu_image)
+def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> LoopResult:
+    """N synchronous iterations; returns the final policy and its held-out evaluation."""
+    root, policy, state = cfg.run_root, start, DataState()
+    ckpt = convert(cfg=cfg.train, policy=start, root=root)
+    evaluation = {}
+    for it in range(cfg.iterations):
+        batch = rollout(cfg=cfg.rollout, data=cfg.data, policy=policy, dataset=dataset, state=state, iteration=it, root=root)
+        scored = score(cfg=cfg.reward, group_size=cfg.rollout.n_samples, policy=policy, batch=batch, iteration=it, root=root)
+        trained = train(
+            algo=cfg.algo, cfg=cfg.train, reward=cfg.reward, group_size=cfg.rollout.n_samples, temperature=cfg.rollout.temperature,
+            ckpt=ckpt, batch=scored, reference=start, iteration=it, root=root,
+        )
+        policy = publish(cfg=cfg.publish, train_cfg=cfg.train, ckpt=trained.ckpt, parent=policy, root=root)
+        due = (it + 1) % cfg.evaluation.interval == 0 or it + 1 == cfg.iterations
+        evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, policy=policy, dataset=dataset) if due else {}
+        log_iteration(run=run, iteration=it, rollout=batch.metrics, score=scored.metrics, train=trained.metrics, evaluation=evaluation, policy=policy)
+        ckpt, state = trained.ckpt, batch.state
+    return policy, evaluation
+
+
+@workflow
+def rl(cfg: RunConfig = RunConfig()) -> Report:
+    base = build_model(cfg=cfg.model, root=cfg.run_root)
+    dataset = make_data(cfg=cfg.data, root=cfg.run_root)
+    start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
+    before = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, policy=start, dataset=dataset)
+    run = start_run(cfg=cfg, dataset=dataset, start=start, evaluation=before)
+    final = rl_loop(cfg=cfg, start=start, dataset=dataset, run=run)
+    return finish_run(run=run, before=before, after=final.evaluation, policy=final.policy, root=cfg.run_root)
