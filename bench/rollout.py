@@ -4,7 +4,7 @@ Both run on the same tiny random Qwen2 (built here, no hub) and the same left-pa
 at temperature 1 with top_k=0 and top_p=1 and no stop tokens, so every sequence generates exactly
 --new-tokens tokens. Best of --repeats after one warm-up each. Prints one JSON object.
 
-    .venv/bin/python bench/rollout.py [--batch 256 --n 4 --prompt-len 16 --new-tokens 32 --repeats 3]
+    .venv/bin/python bench/rollout.py [--batch 256 --n 4 --prompt-len 16 --new-tokens 32 --repeats 5]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
@@ -59,15 +59,18 @@ def build_model_dir(args: argparse.Namespace, root: str) -> str:
     return root
 
 
-def best_time(run, repeats: int) -> tuple[float, int]:
-    """Warm up once, then the fastest of `repeats` runs -> (seconds, generated tokens)."""
-    run()
-    best, tokens = float("inf"), 0
+def best_times(runs: dict, repeats: int) -> dict[str, tuple[float, int]]:
+    """Warm up each run once, then alternate them `repeats` times (so load from other processes
+    hits both alike) -> {name: (fastest seconds, generated tokens)}."""
+    for run in runs.values():
+        run()
+    best = {name: (float("inf"), 0) for name in runs}
     for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = run()
-        best = min(best, time.perf_counter() - start)
-    return best, tokens
+        for name, run in runs.items():
+            start = time.perf_counter()
+            tokens = run()
+            best[name] = (min(best[name][0], time.perf_counter() - start), tokens)
+    return best
 
 
 def main() -> None:
@@ -106,8 +109,8 @@ def main() -> None:
             )
         return out[:, expanded.shape[1] :].numel()
 
-    engine_s, engine_tokens = best_time(run_engine, args.repeats)
-    hf_s, hf_tokens = best_time(run_hf, args.repeats)
+    best = best_times({"engine": run_engine, "hf": run_hf}, args.repeats)
+    (engine_s, engine_tokens), (hf_s, hf_tokens) = best["engine"], best["hf"]
     engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
     print(
         json.dumps(

@@ -1,9 +1,13 @@
 """Embedded rollout engine: a transformers causal LM generating in-process on CPU.
 
-Generation is HF `model.generate` (batched, KV-cached, left-padded). Log-probs are not taken from
-`output_logits=True`: that keeps every step's [B, V] logits alive until the end (B * T * V floats,
-tens of GB for a real vocabulary), so a logits processor placed ahead of HF's temperature /
-top-k / top-p warpers reads the raw logits of each step instead and keeps one [B, V] slice.
+Departs from plain `model.generate` in one place, measured on this 2-core CPU (bench/rollout.py):
+HF samples with `torch.multinomial`, which draws an exponential variate for every vocabulary entry
+(~37 ms per step for [256, 8192], more than the forward pass of a tiny model). This engine keeps the
+transformers model, its DynamicCache and HF's top-k/top-p warpers, but samples by inverse CDF (one
+uniform per row, cumsum + searchsorted: ~2 ms) in a short decode loop that also yields the log-prob
+of each sampled token from the same logits, so no [B, T, V] logits are kept (`output_logits=True`
+would hold every step's logits: tens of GB for a real vocabulary).
+Greedy decoding is argmax over the same logits and matches `model.generate(do_sample=False)`.
 """
 
 from __future__ import annotations
@@ -13,46 +17,18 @@ import os
 from collections.abc import Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 
 
-class _RawLogprobRecorder(LogitsProcessor):
-    """Records log p(chosen token) under softmax(raw_logits / temperature), one step behind.
-
-    HF calls processors before sampling, so at step t the token chosen at step t-1 is the last
-    column of `input_ids`; the log-softmax of step t-1 is gathered then. `finish` gathers the
-    last step once the final tokens are known. Returns scores unchanged.
-    """
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.previous: torch.Tensor | None = None  # [B, V] log-softmax of the latest step
-        self.gathered: list[torch.Tensor] = []  # per step: [B]
-
-    def _gather_previous(self, tokens: torch.Tensor) -> None:
-        self.gathered.append(self.previous.gather(-1, tokens[:, None]).squeeze(-1))
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.previous is not None:
-            self._gather_previous(input_ids[:, -1])
-        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def finish(self, generated: torch.Tensor) -> torch.Tensor:
-        """generated: [B, S] new tokens as returned by generate -> [B, S] log-probs."""
-        steps = generated.shape[1]
-        if len(self.gathered) < steps:  # the last step's token was never fed back
-            self._gather_previous(generated[:, -1])
-        return torch.stack(self.gathered[:steps], dim=1)
-
-
-def _read_pad_token_id(policy_dir: str, generation_config: GenerationConfig | None) -> int:
-    """Pad id from generation_config.json, then tokenizer files, else 0 (it is always masked)."""
-    if generation_config is not None and generation_config.pad_token_id is not None:
-        pad = generation_config.pad_token_id
-        return int(pad[0] if isinstance(pad, (list, tuple)) else pad)
+def _read_pad_token_id(policy_dir: str, model) -> int:
+    """Pad id from generation_config / config, then the tokenizer files, else 0 (pads are masked)."""
+    for source in (model.generation_config, model.config):
+        pad = getattr(source, "pad_token_id", None)
+        if pad is not None:
+            return int(pad[0] if isinstance(pad, (list, tuple)) else pad)
     tokenizer_config = os.path.join(policy_dir, "tokenizer_config.json")
     if os.path.exists(tokenizer_config):
         with open(tokenizer_config) as f:
@@ -60,7 +36,7 @@ def _read_pad_token_id(policy_dir: str, generation_config: GenerationConfig | No
         if isinstance(pad_token, dict):
             pad_token = pad_token.get("content")
         if pad_token is not None:
-            # The tokenizer maps the pad string to its id; loaded only when a pad token is declared.
+            # Only the tokenizer knows the id of its pad string; loaded only when one is declared.
             from transformers import AutoTokenizer
 
             pad_id = AutoTokenizer.from_pretrained(policy_dir).convert_tokens_to_ids(pad_token)
@@ -69,12 +45,47 @@ def _read_pad_token_id(policy_dir: str, generation_config: GenerationConfig | No
     return 0
 
 
+def sample_next_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [B, V] raw -> (tokens [B], log-probs [B] under softmax(logits / T), unfiltered).
+
+    Sampling uses softmax(logits / T) restricted by top-k then top-p (HF's warpers), drawn by
+    inverse CDF. Temperature 0 is argmax, with log-probs under softmax(logits).
+    """
+    logits = logits.float()
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)  # [B]
+        logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
+        return tokens, logprobs
+    scaled = logits / params.temperature if params.temperature != 1.0 else logits  # [B, V]
+    row_max = scaled.amax(dim=-1, keepdim=True)  # [B, 1]
+    weights = (scaled - row_max).exp_()  # [B, V] unnormalised probabilities
+    log_norm = weights.sum(dim=-1).log_() + row_max.squeeze(-1)  # [B]
+    if params.top_k > 0 or params.top_p < 1.0:
+        kept = scaled
+        if params.top_k > 0:
+            kept = TopKLogitsWarper(top_k=params.top_k)(None, kept)
+        if params.top_p < 1.0:
+            kept = TopPLogitsWarper(top_p=params.top_p)(None, kept)
+        weights = weights.masked_fill_(kept == float("-inf"), 0.0)
+    # float64 running sum: in float32 each token's share would carry an absolute error of
+    # ~eps * cdf, distorting the rare tail of a large vocabulary; costs the same here
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
+    draw = torch.rand((cdf.shape[0], 1), generator=generator, dtype=cdf.dtype) * cdf[:, -1:]  # [B, 1]
+    tokens = torch.searchsorted(cdf, draw, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(-1)  # [B]
+    logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1) - log_norm
+    return tokens, logprobs
+
+
 class TorchEngine:
     """RolloutEngine on a transformers causal LM in this process (CPU, fp32 by default).
 
     policy_dir: HF weight directory (config.json + safetensors).
     version: weight version of `policy_dir`.
-    max_batch_sequences: sequences (prompts x n) per `model.generate` call; larger inputs are chunked.
+    max_batch_sequences: sequences (prompts x n) decoded together; larger inputs are chunked.
+    num_threads: torch intra-op threads while generating, restored afterwards (None: leave as is).
+        On a shared 2-core machine 1 thread avoids OpenMP barriers waiting on a busy core.
     """
 
     def __init__(
@@ -83,10 +94,14 @@ class TorchEngine:
         version: int = 0,
         max_batch_sequences: int = 256,
         dtype: torch.dtype = torch.float32,
+        num_threads: int | None = None,
     ):
         if max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences must be >= 1, got {max_batch_sequences}")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
         self.max_batch_sequences = max_batch_sequences
+        self.num_threads = num_threads
         self.dtype = dtype
         self.weight_version = version
         self.load_weights(policy_dir, version)
@@ -96,13 +111,7 @@ class TorchEngine:
             raise FileNotFoundError(f"policy_dir {policy_dir!r} has no config.json: not an HF weight directory")
         model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=self.dtype)
         model.eval()
-        published = model.generation_config
-        self.pad_token_id = _read_pad_token_id(policy_dir, published)
-        # A clean config: the published one may carry sampling defaults (top_k, repetition_penalty,
-        # eos ids) that would silently change the distribution; SamplingParams alone decides.
-        model.generation_config = GenerationConfig(
-            pad_token_id=self.pad_token_id, bos_token_id=published.bos_token_id if published else None
-        )
+        self.pad_token_id = _read_pad_token_id(policy_dir, model)
         self.model = model
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.policy_dir = policy_dir
@@ -111,11 +120,17 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         self._check_prompts(prompts)
         expanded = [prompt for prompt in prompts for _ in range(params.n)]
+        generator = torch.Generator().manual_seed(params.seed)  # private RNG: global state untouched
         flat: list[Generation] = []
-        with torch.random.fork_rng(devices=[]), torch.inference_mode():
-            torch.manual_seed(params.seed)
-            for chunk in self._chunks(expanded):
-                flat.extend(self._generate_batch(chunk, params))
+        previous_threads = torch.get_num_threads()
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        try:
+            with torch.inference_mode():
+                for chunk in self._chunks(expanded):
+                    flat.extend(self._generate_batch(chunk, params, generator))
+        finally:
+            torch.set_num_threads(previous_threads)
         return [flat[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:
@@ -124,9 +139,8 @@ class TorchEngine:
                 raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
             low, high = min(prompt), max(prompt)
             if low < 0 or high >= self.vocab_size:
-                raise ValueError(
-                    f"prompts[{i}] has token id {low if low < 0 else high} outside the vocabulary [0, {self.vocab_size})"
-                )
+                bad = low if low < 0 else high
+                raise ValueError(f"prompts[{i}] has token id {bad} outside the vocabulary [0, {self.vocab_size})")
 
     def _chunks(self, sequences: list[list[int]]) -> Iterator[list[list[int]]]:
         for start in range(0, len(sequences), self.max_batch_sequences):
@@ -141,36 +155,51 @@ class TorchEngine:
             attention_mask[row, width - len(prompt) :] = 1
         return input_ids, attention_mask
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        input_ids, attention_mask = self._left_pad(prompts)
-        recorder = _RawLogprobRecorder(params.temperature if not params.greedy else 1.0)
-        sampling = (
-            {"do_sample": False}
-            if params.greedy
-            else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
-        )
-        sequences = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=params.max_new_tokens,
-            eos_token_id=list(params.stop_token_ids) or None,
-            pad_token_id=self.pad_token_id,
-            logits_processor=LogitsProcessorList([recorder]),
-            use_cache=True,
-            **sampling,
-        )
-        generated = sequences[:, input_ids.shape[1] :]  # [B, S]
-        logprobs = recorder.finish(generated)  # [B, S]
-        return self._to_generations(generated.tolist(), logprobs.tolist(), params)
+    def _decode(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded [B, L] prompts -> (new tokens [B, S], log-probs [B, S]), S <= max_new_tokens.
 
-    def _to_generations(
-        self, generated: list[list[int]], logprobs: list[list[float]], params: SamplingParams
+        Rows that hit a stop token keep decoding pad ids until every row has stopped.
+        """
+        batch = input_ids.shape[0]
+        tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((batch, params.max_new_tokens))
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long)
+        finished = torch.zeros(batch, dtype=torch.bool)
+        cache = DynamicCache(config=self.model.config)
+        position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)  # as HF generate
+        step_ids, new_column = input_ids, torch.ones((batch, 1), dtype=attention_mask.dtype)
+        for step in range(params.max_new_tokens):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            next_tokens, next_logprobs = sample_next_tokens(out.logits[:, -1], params, generator)
+            tokens[:, step] = next_tokens.masked_fill_(finished, self.pad_token_id)
+            logprobs[:, step] = next_logprobs
+            finished |= torch.isin(next_tokens, stop_ids)
+            if bool(finished.all()):
+                return tokens[:, : step + 1], logprobs[:, : step + 1]
+            step_ids = next_tokens[:, None]
+            attention_mask = torch.cat([attention_mask, new_column], dim=-1)
+            position_ids = position_ids[:, -1:] + 1
+        return tokens, logprobs
+
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
     ) -> list[Generation]:
+        input_ids, attention_mask = self._left_pad(prompts)
+        tokens, logprobs = self._decode(input_ids, attention_mask, params, generator)
         stop_ids = set(params.stop_token_ids)
         out = []
-        for tokens, token_logprobs in zip(generated, logprobs):
-            end = next((i + 1 for i, token in enumerate(tokens) if token in stop_ids), None)
+        for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+            end = next((i + 1 for i, token in enumerate(row_tokens) if token in stop_ids), None)
             finish = FINISH_STOP if end is not None else FINISH_LENGTH
             end = end if end is not None else params.max_new_tokens
-            out.append(Generation(tokens[:end], token_logprobs[:end], finish, self.weight_version))
+            out.append(Generation(row_tokens[:end], row_logprobs[:end], finish, self.weight_version))
         return out

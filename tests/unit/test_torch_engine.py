@@ -1,0 +1,218 @@
+"""TorchEngine against the RolloutEngine contract, on tiny random Qwen2 models built here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from miles_core.rollout.base import Generation, RolloutEngine, SamplingParams
+from miles_core.rollout.engines.torch_engine import TorchEngine, sample_next_tokens
+
+VOCAB = 64
+STOP_IDS = tuple(range(6))  # ~10% of the vocabulary: some responses stop, some run to length
+PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27], [30], [40, 41, 42, 43, 44]]
+
+
+def build_tiny_qwen2(path, seed: int) -> str:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # peaked enough that top-k / greedy choices are not near-ties
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def policy_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("policies")
+    return build_tiny_qwen2(root / "v0", seed=0), build_tiny_qwen2(root / "v1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(policy_dirs):
+    return TorchEngine(policy_dirs[0], version=7)
+
+
+@pytest.fixture(scope="module")
+def reference_model(policy_dirs):
+    return AutoModelForCausalLM.from_pretrained(policy_dirs[0], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls gain nothing from a second thread, and with other processes on the 2 cores an
+    # OpenMP barrier can wait a whole time slice (~12 ms for a [16, 128] x [128, 384] matmul).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def flatten(out: list[list[Generation]]) -> list[Generation]:
+    return [g for gens in out for g in gens]
+
+
+def test_engine_satisfies_protocol(engine):
+    assert isinstance(engine, RolloutEngine)
+    assert engine.weight_version == 7
+
+
+def test_shapes_stop_and_length_contract(engine):
+    params = SamplingParams(n=4, max_new_tokens=12, stop_token_ids=STOP_IDS, seed=3)
+    out = engine.generate(PROMPTS, params)
+    assert len(out) == len(PROMPTS) and all(len(gens) == 4 for gens in out)
+    reasons = set()
+    for g in flatten(out):
+        reasons.add(g.finish_reason)
+        assert len(g.tokens) == len(g.logprobs) >= 1
+        assert all(lp <= 0.0 for lp in g.logprobs)
+        assert all(0 <= t < VOCAB for t in g.tokens)
+        assert g.weight_version == 7
+        assert not set(g.tokens[:-1]) & set(STOP_IDS), "nothing may follow a stop token"
+        if g.finish_reason == "stop":
+            assert g.tokens[-1] in STOP_IDS
+            assert len(g.tokens) <= 12
+        else:
+            assert g.finish_reason == "length"
+            assert len(g.tokens) == 12 and g.tokens[-1] not in STOP_IDS
+    assert reasons == {"stop", "length"}
+
+
+def test_all_stopped_early_ends_batch(engine):
+    # every token is a stop token: each response is exactly one token long
+    params = SamplingParams(n=2, max_new_tokens=10, stop_token_ids=tuple(range(VOCAB)))
+    for g in flatten(engine.generate(PROMPTS, params)):
+        assert g.finish_reason == "stop" and len(g.tokens) == 1 == len(g.logprobs)
+
+
+def test_same_seed_same_output_other_seed_differs(engine):
+    params = SamplingParams(n=3, max_new_tokens=10, temperature=1.0, seed=11)
+    first = engine.generate(PROMPTS, params)
+    assert engine.generate(PROMPTS, params) == first
+    other = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=10, temperature=1.0, seed=12))
+    assert [g.tokens for g in flatten(other)] != [g.tokens for g in flatten(first)]
+
+
+def test_global_rng_untouched(engine):
+    state = torch.get_rng_state()
+    engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4, seed=5))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def recompute_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """Full forward over prompt + response, unpadded: log_softmax(logits / T) at the response."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [S, V]
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 8, 0.9), (0.0, 0, 1.0)],
+)
+def test_logprobs_match_recompute_with_left_padding(engine, reference_model, temperature, top_k, top_p):
+    params = SamplingParams(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10, seed=2)
+    out = engine.generate(PROMPTS, params)  # prompts of lengths 3, 8, 1, 5: left-padded in one batch
+    for prompt, gens in zip(PROMPTS, out):
+        for g in gens:
+            # reported log-probs are under softmax(logits / T) without top-k/top-p renormalisation
+            expected = recompute_logprobs(reference_model, prompt, g.tokens, temperature or 1.0)
+            torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=1e-4, rtol=0)
+            if top_k:
+                ids = torch.tensor([prompt + g.tokens])
+                with torch.no_grad():
+                    logits = reference_model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+                top = logits.topk(top_k, dim=-1).indices
+                assert all(t in top[i] for i, t in enumerate(g.tokens)), "sampled outside top-k"
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, expected",
+    [
+        (1.0, 0, 1.0, torch.softmax(torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]), -1)),
+        (0.5, 0, 1.0, torch.softmax(torch.tensor([4.0, 2.0, 1.0, 0.0, -2.0]), -1)),
+        # top-k 3 keeps the first three tokens; their probabilities are renormalised for sampling
+        (1.0, 3, 1.0, torch.softmax(torch.tensor([2.0, 1.0, 0.5, -1e9, -1e9]), -1)),
+        # top-p 0.6: token 0 alone holds 0.56 < 0.6, with token 1 it reaches 0.77 -> two tokens
+        (1.0, 0, 0.6, torch.softmax(torch.tensor([2.0, 1.0, -1e9, -1e9, -1e9]), -1)),
+    ],
+)
+def test_sampler_frequencies_and_unfiltered_logprobs(temperature, top_k, top_p, expected):
+    rows = 40_000
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).repeat(rows, 1)  # [B, V]
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens, logprobs = sample_next_tokens(logits, params, torch.Generator().manual_seed(0))
+    frequencies = torch.bincount(tokens, minlength=5).float() / rows
+    torch.testing.assert_close(frequencies, expected, atol=0.01, rtol=0)  # ~4 sigma at 40k draws
+    unfiltered = torch.log_softmax(logits[0] / temperature, dim=-1)
+    torch.testing.assert_close(logprobs, unfiltered[tokens])
+
+
+def test_greedy_equals_hf_generate(engine, reference_model):
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=12, stop_token_ids=(3, 9))
+    out = engine.generate(PROMPTS, params)
+    width = max(len(p) for p in PROMPTS)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        hf = reference_model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=[3, 9],
+            pad_token_id=0,
+        )[:, width:].tolist()
+    for gens, hf_row in zip(out, hf):
+        tokens = gens[0].tokens
+        assert hf_row[: len(tokens)] == tokens
+        assert all(t == 0 for t in hf_row[len(tokens) :])  # HF pads after its stop
+    # greedy does not depend on the seed or on how the batch is chunked
+    # (log-probs only up to float noise: padding changes the batch's arithmetic)
+    chunked = TorchEngine(engine.policy_dir, version=7, max_batch_sequences=1)
+    alone = chunked.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(3, 9), seed=99))
+    assert [g.tokens for g in flatten(alone)] == [gens[0].tokens for gens in out]
+
+
+def test_chunking_keeps_order_and_counts(policy_dirs):
+    small = TorchEngine(policy_dirs[0], version=1, max_batch_sequences=3)
+    out = small.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=5, stop_token_ids=STOP_IDS))
+    assert [len(gens) for gens in out] == [2, 2, 2, 2]
+    assert all(len(g.tokens) == len(g.logprobs) for g in flatten(out))
+
+
+def test_load_weights_changes_outputs_and_version(policy_dirs):
+    engine = TorchEngine(policy_dirs[0], version=0)
+    params = SamplingParams(n=2, max_new_tokens=8, seed=4)
+    before = engine.generate(PROMPTS, params)
+    engine.load_weights(policy_dirs[1], version=1)
+    assert engine.weight_version == 1
+    after = engine.generate(PROMPTS, params)
+    assert all(g.weight_version == 1 for g in flatten(after))
+    assert [g.logprobs for g in flatten(after)] != [g.logprobs for g in flatten(before)]
+    assert [g.tokens for g in flatten(after)] != [g.tokens for g in flatten(before)]
+
+
+def test_bad_inputs_are_named(engine, tmp_path):
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        engine.generate([[1], []], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompts\[0\] has token id 64"):
+        engine.generate([[1, 64]], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        engine.load_weights(str(tmp_path), version=3)
+    assert engine.weight_version == 7  # a failed load keeps the current policy

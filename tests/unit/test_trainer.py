@@ -1,0 +1,96 @@
+"""The torch trainer: packing, a GRPO step that moves the policy the right way, bitwise resume."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from miles_core.config import AlgoConfig, ModelConfig, TrainConfig
+from miles_core.loop import train
+from miles_core.models.tiny import build_tiny_model
+from miles_core.samples import Sample
+from miles_core.train.base import pack
+from miles_core.train.torch_backend import TorchTrainer
+
+TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    return build_tiny_model(TINY, str(tmp_path_factory.mktemp("m") / "base"))
+
+
+def groups(rewards):
+    # two groups of two: the same prompt answered with token 10 (rewarded) or token 11 (not)
+    return [
+        Sample("p", i, [1, 20, 21], [10 if r else 11, 2], [-1.0, -1.0], [1, 1], "stop", 0, "x", {}, r)
+        for i, r in enumerate(rewards)
+    ]
+
+
+def test_pack_aligns_response_tokens_with_their_predicting_positions():
+    s = [Sample("a", 0, [1, 2, 3], [4, 5], [-0.1, -0.2], [1, 0], "stop", 0, "", {}), Sample("b", 0, [1], [6, 7, 8], [-0.3] * 3, [1, 1, 1], "length", 0, "", {})]
+    b = pack(s, pad_id=0)
+    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5], [1, 6, 7, 8, 0]]
+    # logits at position t predict token t+1: "a"'s response starts after 3 prompt tokens
+    assert b.gather_index.tolist() == [[2, 3, 0], [0, 1, 2]]
+    assert b.input_ids[:, 1:].gather(1, b.gather_index).tolist() == [[4, 5, 2], [6, 7, 8]]  # [0, 2] is padding, masked
+    assert b.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert b.loss_mask.tolist() == [[1, 0, 0], [1, 1, 1]]
+
+
+def test_logprobs_match_a_plain_forward_pass(policy_dir):
+    trainer = TorchTrainer.from_hf(policy_dir, TrainConfig())
+    samples = groups([1.0, 0.0])
+    lp = trainer.logprobs(pack(samples, 0), temperature=1.0)
+    with torch.no_grad():
+        logits = trainer.model(torch.tensor([[1, 20, 21, 10, 2]])).logits[0]
+    expected = torch.log_softmax(logits, -1)[[2, 3], [10, 2]]
+    assert torch.allclose(lp[0], expected, atol=1e-5)
+
+
+def test_grpo_step_raises_the_rewarded_response(policy_dir):
+    trainer = TorchTrainer.from_hf(policy_dir, TrainConfig(lr=1e-2))
+    samples = groups([1.0, 0.0, 1.0, 0.0])
+    before = trainer.logprobs(pack(samples, 0), 1.0)[:, 0]
+    metrics = train(trainer, samples, AlgoConfig(), group_size=2, temperature=1.0, pad_id=0)
+    after = trainer.logprobs(pack(samples, 0), 1.0)[:, 0]
+    assert after[0] > before[0] and after[1] < before[1]
+    assert trainer.step == 1 and metrics["train/step"] == 1.0
+    assert metrics["train/clip_fraction"] == 0.0  # ratio is 1 on the first (only) mini-batch
+    assert metrics["train/logprob_mismatch"] > 0  # the samples' rollout log-probs (-1.0) are not the model's
+
+
+def test_micro_batching_does_not_change_the_update(policy_dir):
+    samples = groups([1.0, 0.0, 0.0, 1.0])
+    results = []
+    for micro in (4, 1):
+        trainer = TorchTrainer.from_hf(policy_dir, TrainConfig(lr=1e-2, micro_batch_size=micro))
+        train(trainer, samples, AlgoConfig(), group_size=2, temperature=1.0, pad_id=0)
+        results.append(trainer.model.model.embed_tokens.weight.detach().clone())
+    assert torch.allclose(results[0], results[1], atol=1e-6)
+
+
+def test_save_load_resumes_bitwise(policy_dir, tmp_path):
+    cfg = TrainConfig(lr=1e-2, mini_batches=2)
+    samples = groups([1.0, 0.0, 0.0, 1.0])
+    straight = TorchTrainer.from_hf(policy_dir, cfg)
+    for _ in range(2):
+        train(straight, samples, AlgoConfig(), 2, 1.0, 0)
+    resumed = TorchTrainer.from_hf(policy_dir, cfg)
+    train(resumed, samples, AlgoConfig(), 2, 1.0, 0)
+    resumed.save(str(tmp_path / "ckpt"))
+    resumed = TorchTrainer.load(str(tmp_path / "ckpt"), cfg)
+    assert resumed.step == 2
+    train(resumed, samples, AlgoConfig(), 2, 1.0, 0)
+    for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_kl_term_needs_and_uses_the_reference(policy_dir):
+    trainer = TorchTrainer.from_hf(policy_dir, TrainConfig(lr=1e-2))
+    reference = TorchTrainer.from_hf(policy_dir, TrainConfig())
+    algo = dataclasses.replace(AlgoConfig(), kl_coef=0.1)
+    train(trainer, groups([1.0, 0.0]), algo, 2, 1.0, 0, reference=reference)
+    metrics = train(trainer, groups([1.0, 0.0]), algo, 2, 1.0, 0, reference=reference)
+    assert metrics["train/kl"] > 0  # the policy moved away from the reference after one step
