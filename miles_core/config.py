@@ -57,6 +57,7 @@ class DataConfig:
     train_size: int = 4000
     test_size: int = 256
     teacher_carry_error: float = 0.5  # chance the SFT demonstrator drops a carry (an imperfect teacher)
+    teacher_samples: int = 8  # independent demonstrations per train problem
     train_file: str = ""  # user prompt files; empty = generate the problem set
     test_file: str = ""
     input_key: str = "input"
@@ -69,6 +70,7 @@ class DataConfig:
         _check(1 <= self.digits <= 6, "data.digits", f"must be in [1, 6], got {self.digits}")
         _check(self.train_size > 0 and self.test_size > 0, "data.train_size", "sizes must be > 0")
         _check(0.0 <= self.teacher_carry_error <= 1.0, "data.teacher_carry_error", "must be in [0, 1]")
+        _check(self.teacher_samples > 0, "data.teacher_samples", "must be > 0")
         _check(bool(self.train_file) == bool(self.test_file), "data.test_file", "give both train_file and test_file or neither")
 
 

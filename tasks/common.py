@@ -7,8 +7,10 @@ later cache hit could no longer find.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
+import transformers
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
@@ -16,6 +18,9 @@ import miles_core
 from miles_core.config import config_hash
 from miles_core.data.source import DataState
 from miles_core.storage import digest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the project builds its own models; never reach a hub
+transformers.utils.logging.disable_progress_bar()  # per-load bars drown the per-iteration lines
 
 
 @dataclass

@@ -35,7 +35,7 @@ def start_run(cfg: RunConfig, dataset: Dataset, start: Policy, evaluation: dict[
         params=flatten(cfg),
         tags={
             "config_hash": config_hash(cfg), "data_hash": dataset.sha256, "parent_version": start.version,
-            "flyte.execution_id": f"{execution.project}:{execution.domain}:{execution.name}",
+            "flyte.execution_id": f"{execution.project}:{execution.domain}:{execution.name}", "parent_policy_dir": start.dir.path,
         },
     )
     tracking.log_metrics(uri, run_id, evaluation, step=0)

@@ -1,10 +1,12 @@
 """The "addition" problem set: `a+b=` prompts with integer labels and an imperfect teacher.
 
-Each row carries, besides the prompt and the correct label, a `demonstration`: the answer an
-imperfect teacher writes.  The teacher adds column by column like a pupil and forgets each carry
+Each row carries, besides the prompt and the correct label, `demonstrations`: the answers an
+imperfect teacher writes in `data.teacher_samples` independent attempts.  The teacher adds column by column like a pupil and forgets each carry
 it should propagate into the next column with probability `data.teacher_carry_error`.  Problems
 without carries are therefore always demonstrated correctly and problems with carries often
-wrongly (47+85 becomes 122).  That gap is the point of the problem set: SFT on the
+wrongly (47+85 becomes 122).  The attempts are independent, so SFT learns the teacher's
+distribution rather than memorising one answer per problem: with an error above one half its
+greedy answer drops the carry.  That gap is the point of the problem set: SFT on the
 demonstrations imitates the teacher's mistakes and plateaus at the teacher's accuracy, while RL
 with a verifier (the exact-answer reward) is scored against the true label and can go beyond
 the teacher.  `metadata.carries` lets evaluation split accuracy by difficulty.
@@ -96,7 +98,7 @@ def _row(cfg: DataConfig, a: int, b: int) -> dict:
         "a": a,
         "b": b,
         "carries": count_carries(a, b),
-        "demonstration": teacher_answer(a, b, cfg.teacher_carry_error, rng),
+        "demonstrations": [teacher_answer(a, b, cfg.teacher_carry_error, rng) for _ in range(cfg.teacher_samples)],
     }
     return {cfg.input_key: f"{a}+{b}=", cfg.label_key: str(a + b), cfg.metadata_key: metadata}
 

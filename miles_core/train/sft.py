@@ -1,7 +1,7 @@
 """Supervised warm start: cross-entropy on the demonstrations' response tokens only.
 
-The demonstration of a prompt is `metadata["demonstration"]` when the data carries one (the
-problem set's imperfect teacher), else its label.  Linear warm-up then cosine decay.
+A prompt's demonstrations are `metadata["demonstrations"]` (a list of responses, e.g. the problem
+set's imperfect teacher's attempts) when the data carries them, else its label.  Linear warm-up then cosine decay.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from miles_core.train.base import Trainer, pack
 def demonstrations(prompts: list[Prompt], tokenizer) -> list[Sample]:
     out = []
     for p in prompts:
-        response = demonstration_tokens(tokenizer, str(p.metadata.get("demonstration", p.label)))
-        out.append(Sample(
-            prompt_id=p.id, index=0, prompt_tokens=encode_prompt(tokenizer, p.text), response_tokens=response,
-            rollout_logprobs=[0.0] * len(response), loss_mask=[1] * len(response), finish_reason="stop",
-            weight_version=0, label=p.label, metadata=p.metadata,
-        ))
+        prompt_tokens = encode_prompt(tokenizer, p.text)
+        for i, text in enumerate(p.metadata.get("demonstrations", [p.label])):
+            response = demonstration_tokens(tokenizer, str(text))
+            out.append(Sample(
+                prompt_id=p.id, index=i, prompt_tokens=prompt_tokens, response_tokens=response,
+                rollout_logprobs=[0.0] * len(response), loss_mask=[1] * len(response), finish_reason="stop",
+                weight_version=0, label=p.label, metadata=p.metadata,
+            ))
     return out
 
 

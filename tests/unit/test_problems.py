@@ -58,7 +58,7 @@ def test_rows_shape_and_labels():
         assert meta["id"] == f"add-{a}-{b}" and meta["problem_set"] == "addition"
         assert meta["carries"] == count_carries(a, b)
         if meta["carries"] == 0:
-            assert meta["demonstration"] == row["label"]
+            assert set(meta["demonstrations"]) == {row["label"]}
 
 
 def test_splits_are_distinct_disjoint_and_deterministic():
@@ -74,10 +74,10 @@ def test_splits_are_distinct_disjoint_and_deterministic():
 
 def test_teacher_makes_mistakes_only_on_carries():
     train, _ = make_addition(DataConfig(train_size=2000, test_size=10, teacher_carry_error=0.5))
-    wrong = [r for r in train if r["metadata"]["demonstration"] != r["label"]]
+    wrong = [r for r in train if r["metadata"]["demonstrations"][0] != r["label"]]
     assert wrong and all(r["metadata"]["carries"] > 0 for r in wrong)
     perfect, _ = make_addition(DataConfig(train_size=500, test_size=10, teacher_carry_error=0.0))
-    assert all(r["metadata"]["demonstration"] == r["label"] for r in perfect)
+    assert all(set(r["metadata"]["demonstrations"]) == {r["label"]} for r in perfect)
 
 
 def test_one_digit_space_can_be_exhausted_exactly():

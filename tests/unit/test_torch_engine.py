@@ -216,3 +216,13 @@ def test_bad_inputs_are_named(engine, tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         engine.load_weights(str(tmp_path), version=3)
     assert engine.weight_version == 7  # a failed load keeps the current policy
+
+
+def test_num_threads_applies_only_while_generating(policy_dirs):
+    engine = TorchEngine(policy_dirs[0], num_threads=1)
+    torch.set_num_threads(2)
+    try:
+        engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)

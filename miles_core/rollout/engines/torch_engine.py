@@ -8,6 +8,9 @@ uniform per row, cumsum + searchsorted: ~2 ms) in a short decode loop that also 
 of each sampled token from the same logits, so no [B, T, V] logits are kept (`output_logits=True`
 would hold every step's logits: tens of GB for a real vocabulary).
 Greedy decoding is argmax over the same logits and matches `model.generate(do_sample=False)`.
+Measured (bench/rollout.py: 256 sequences x 32 new tokens, vocab 8192, machine shared): this loop
+8.6-12.6k tokens/s vs HF generate 4.2-4.7k (2.0-2.7x); the same engine on `model.generate` with a
+log-prob hook was 0.96x HF; this loop with `torch.multinomial` instead of inverse CDF ~1.0x HF.
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ class TorchEngine:
     max_batch_sequences: sequences (prompts x n) decoded together; larger inputs are chunked.
     num_threads: torch intra-op threads while generating, restored afterwards (None: leave as is).
         On a shared 2-core machine 1 thread avoids OpenMP barriers waiting on a busy core.
+
+    Sequences are decoded in the order given (prompt-major, n copies adjacent) from one RNG seeded
+    with params.seed, so output is reproducible for the same engine settings (max_batch_sequences
+    decides which sequences share a batch and where each draws from the RNG stream).
     """
 
     def __init__(
@@ -103,7 +110,6 @@ class TorchEngine:
         self.max_batch_sequences = max_batch_sequences
         self.num_threads = num_threads
         self.dtype = dtype
-        self.weight_version = version
         self.load_weights(policy_dir, version)
 
     def load_weights(self, policy_dir: str, version: int) -> None:
@@ -130,7 +136,8 @@ class TorchEngine:
                 for chunk in self._chunks(expanded):
                     flat.extend(self._generate_batch(chunk, params, generator))
         finally:
-            torch.set_num_threads(previous_threads)
+            if self.num_threads is not None:
+                torch.set_num_threads(previous_threads)
         return [flat[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:

@@ -1,0 +1,58 @@
+"""Orchestration overhead of one RL iteration in the looped Flyte DAG. Prints one JSON object.
+
+Runs the workflow locally (`pyflyte run`, fresh cache and run root) on a recipe, then reads the
+MLflow run: iteration wall time is the gap between consecutive `log_iteration` calls; the tasks'
+own compute is what rollout, score and train measured inside themselves. The difference is what
+Flyte (serialisation, cache look-ups, task start) plus per-task model loading, parquet I/O,
+publishing and tracking cost.
+
+    python bench/orchestration.py [--recipe recipes/smoke.yaml] [--iterations 6]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", default="recipes/smoke.yaml")
+    parser.add_argument("--iterations", type=int, default=6)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "runs"
+        cfg = subprocess.run([sys.executable, "-m", "miles_core.config", args.recipe, f"run_root={root}", f"iterations={args.iterations}", "evaluation.interval=1000"],
+                             cwd=REPO, capture_output=True, text=True, check=True).stdout
+        started = time.perf_counter()
+        subprocess.run([str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rl.py", "rl", "--cfg", cfg],
+                       cwd=REPO, env={"HOME": tmp, "PATH": "/usr/bin:/bin"}, capture_output=True, check=True)
+        total = time.perf_counter() - started
+        client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+        (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        series = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
+                  for k in ("time_logged_at", "time_rollout_s", "time_score_s", "time_train_s")}
+    steps = sorted(series["time_logged_at"])
+    walls = [series["time_logged_at"][b] - series["time_logged_at"][a] for a, b in zip(steps, steps[1:])]
+    compute = [sum(series[k][b] for k in ("time_rollout_s", "time_score_s", "time_train_s")) for b in steps[1:]]
+    overheads = [w - c for w, c in zip(walls, compute)]
+    print(json.dumps({
+        "bench": "orchestration", "recipe": args.recipe, "iterations": args.iterations,
+        "iteration_wall_s_median": round(statistics.median(walls), 3),
+        "task_compute_s_median": round(statistics.median(compute), 3),
+        "overhead_s_median": round(statistics.median(overheads), 3),
+        "overhead_fraction": round(statistics.median(overheads) / statistics.median(walls), 3),
+        "workflow_total_s": round(total, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()

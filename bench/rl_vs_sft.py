@@ -1,0 +1,82 @@
+"""Is the gain from RL, or from an under-trained start? Prints one JSON object.
+
+Runs the RL workflow on a recipe (fresh cache and run root), takes the wall time of its RL phase
+(the MLflow run: from the start evaluation to the final report), then gives the same SFT start
+that much wall time of further SFT on the same demonstrations (the recipe's SFT settings, its
+warm-up + cosine schedule stretched to the number of steps that fit) and evaluates both on the
+same held-out prompts.
+
+    python bench/rl_vs_sft.py [--recipe recipes/tiny_arith_cpu.yaml]
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+from transformers import AutoTokenizer
+
+from miles_core import loop
+from miles_core.config import load_recipe
+from miles_core.data.source import load_prompts
+from miles_core.rewards.math import integer_answer
+from miles_core.rollout.engines.torch_engine import TorchEngine
+from miles_core.train.sft import demonstrations, run_sft, sft_train_config
+from miles_core.train.torch_backend import TorchTrainer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rl_run(recipe: str, tmp: str):
+    """Run the workflow; return its MLflow run and a client."""
+    root = Path(tmp) / "runs"
+    cfg = subprocess.run([sys.executable, "-m", "miles_core.config", recipe, f"run_root={root}"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    subprocess.run([str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rl.py", "rl", "--cfg", cfg],
+                   cwd=REPO, env={"HOME": tmp, "PATH": "/usr/bin:/bin"}, capture_output=True, check=True)
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return run, client
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", default="recipes/tiny_arith_cpu.yaml")
+    args = parser.parse_args()
+    cfg = load_recipe(args.recipe)
+    with tempfile.TemporaryDirectory() as tmp:
+        run, client = rl_run(args.recipe, tmp)
+        rl_seconds = (run.info.end_time - run.info.start_time) / 1000
+        accuracy = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval_accuracy")}
+        start_dir = run.data.tags["parent_policy_dir"]
+        data_dir = Path(start_dir).parents[1] / "data"
+        train_file, test_file = (next(data_dir.glob(f"*/{split}.jsonl")) for split in ("train", "test"))
+
+        tokenizer = AutoTokenizer.from_pretrained(start_dir)
+        demos = demonstrations(load_prompts(train_file), tokenizer)
+        probe = TorchTrainer.from_hf(start_dir, sft_train_config(cfg.sft))
+        started = time.monotonic()
+        run_sft(probe, demos, replace(cfg.sft, steps=20), tokenizer.pad_token_id)
+        steps = int(rl_seconds / ((time.monotonic() - started) / 20))
+        trainer = TorchTrainer.from_hf(start_dir, sft_train_config(cfg.sft))
+        started = time.monotonic()
+        run_sft(trainer, demos, replace(cfg.sft, steps=steps), tokenizer.pad_token_id, deadline=started + rl_seconds)
+        sft_seconds = time.monotonic() - started
+        out = Path(tmp) / "further_sft"
+        trainer.export_hf(str(out), "float32")
+        tokenizer.save_pretrained(out)
+        evaluation = loop.evaluate(TorchEngine(str(out)), load_prompts(test_file), tokenizer, integer_answer, cfg.reward, cfg.evaluation)
+    print(json.dumps({
+        "bench": "rl_vs_sft", "recipe": args.recipe, "heldout_prompts": int(evaluation["eval/prompts"]),
+        "accuracy_sft_start": accuracy[0], "accuracy_after_rl": accuracy[max(accuracy)], "rl_phase_s": round(rl_seconds, 1),
+        "accuracy_after_further_sft": evaluation["eval/accuracy"], "further_sft_s": round(sft_seconds, 1), "further_sft_steps": steps,
+        "rl_curve": [round(accuracy[k], 3) for k in sorted(accuracy)],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Real local workflow runs through `pyflyte run`, each with its own Flyte cache (HOME) and run root."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PYFLYTE = Path(sys.executable).parent / "pyflyte"
+
+
+def workflow_command(recipe: str, root: Path, *overrides: str) -> list[str]:
+    cfg = subprocess.run(
+        [sys.executable, "-m", "miles_core.config", recipe, f"run_root={root}", *overrides],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout
+    return [str(PYFLYTE), "run", "workflows/rl.py", "rl", "--cfg", cfg]
+
+
+def workflow_env(home: Path) -> dict:
+    home.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "HOME": str(home), "FLYTE_SDK_LOGGING_LEVEL": "20", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def run_workflow(recipe: str, root: Path, home: Path, *overrides: str) -> subprocess.CompletedProcess:
+    out = subprocess.run(workflow_command(recipe, root, *overrides), cwd=REPO, env=workflow_env(home), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out
+
+
+def final_policy(root: Path) -> Path:
+    """The published policy with the highest version under a run root."""
+    manifests = [json.loads(p.read_text()) | {"dir": p.parent} for p in root.glob("policy/*/policy.json")]
+    return max(manifests, key=lambda m: m["version"])["dir"]
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """One uninterrupted run of the smoke recipe (3 iterations), shared by the tests that read it."""
+    base = tmp_path_factory.mktemp("smoke")
+    out = run_workflow("recipes/smoke.yaml", base / "runs", base / "home", "iterations=3")
+    return base / "runs", out

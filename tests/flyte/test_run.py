@@ -1,0 +1,56 @@
+"""A real local execution of the RL workflow: it trains, logs to MLflow, and resumes after a kill."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from miles_core.storage import sha256_file
+from tests.flyte.conftest import REPO, final_policy, run_workflow, workflow_command, workflow_env
+
+pytestmark = pytest.mark.flyte
+
+
+def test_run_trains_and_tracks(smoke_run):
+    root, out = smoke_run
+    policy = final_policy(root)
+    sft_start = next((root / "sft").glob("*/model.safetensors"))
+    assert sha256_file(policy / "model.safetensors") != sha256_file(sft_start)  # parameters changed
+    assert "held-out greedy accuracy: before RL" in out.stdout
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3]
+    assert len(client.get_metric_history(run.info.run_id, "eval_accuracy")) == 4  # SFT start + 3 iterations
+    for key in ("train_loss", "train_clip_fraction", "train_entropy", "train_logprob_mismatch", "rollout_tokens_per_s", "time_train_s"):
+        assert key in run.data.metrics
+    assert run.data.params["rollout.n_samples"] == "4"
+    assert run.data.tags["policy_version"] == "4" and run.data.tags["parent_version"] == "1"
+    assert {"config_hash", "data_hash", "flyte.execution_id", "policy_sha256"} <= set(run.data.tags)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "policies")}
+    assert artifacts == {f"policies/v{v:04d}.json" for v in (2, 3, 4)}
+    assert any(a.path.endswith("reward_curve.png") for a in client.list_artifacts(run.info.run_id))
+
+
+def test_killed_run_resumes_from_cache_to_the_same_weights(smoke_run, tmp_path):
+    root_a, _ = smoke_run
+    root, home = tmp_path / "runs", tmp_path / "home"
+    proc = subprocess.Popen(workflow_command("recipes/smoke.yaml", root, "iterations=3"), cwd=REPO, env=workflow_env(home),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not list(root.glob("checkpoint/0002-*")):  # the train task of iteration 2 has finished
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not list(root.glob("policy/0004-*"))  # killed before the end
+
+    resumed = run_workflow("recipes/smoke.yaml", root, home, "iterations=3")
+    log = resumed.stdout + resumed.stderr
+    assert log.count("Cache hit") >= 8  # model, data, sft, evaluate, convert, rollout/score/train of iteration 1 ...
+    assert sha256_file(final_policy(root) / "model.safetensors") == sha256_file(final_policy(root_a) / "model.safetensors")
