@@ -144,6 +144,7 @@ class AlgoConfig:
 class TrainConfig:
     backend: str = "torch"
     lr: float = 1e-3
+    warmup_steps: int = 0  # linear learning-rate warm-up over the first optimizer steps
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.99
@@ -156,6 +157,7 @@ class TrainConfig:
         _check(self.backend == "torch", "train.backend", f"unknown backend {self.backend!r} (available: torch)")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(self.grad_clip > 0, "train.grad_clip", "must be > 0")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _check(self.mini_batches > 0, "train.mini_batches", "must be > 0")
         _check(self.micro_batch_size > 0, "train.micro_batch_size", "must be > 0")
 

@@ -72,9 +72,6 @@ class TorchTrainer:
 
     def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None) -> dict[str, float]:
         started = time.perf_counter()
-        if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
         sums: dict[str, float] = {}
         total_tokens = float(batch.loss_mask.sum())
         mini = -(-len(batch) // self.cfg.mini_batches)
@@ -82,6 +79,8 @@ class TorchTrainer:
         for m_start in range(0, len(batch), mini):
             m_rows = slice(m_start, m_start + mini)
             m_tokens = max(float(batch.loss_mask[m_rows].sum()), 1.0)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr if lr is not None else self.cfg.lr * min(1.0, (self.step + 1) / max(self.cfg.warmup_steps, 1))
             self.optimizer.zero_grad(set_to_none=True)
             for start in range(m_start, min(m_start + mini, len(batch)), self.cfg.micro_batch_size):
                 rows = slice(start, min(start + self.cfg.micro_batch_size, m_start + mini))
