@@ -7,6 +7,7 @@ mlflow is imported here only, inside the functions, because the core must import
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from miles_core.config import TrackingConfig
@@ -39,7 +40,6 @@ def start_run(uri: str, experiment: str, artifact_root: str, run_name: str, para
 
 def log_metrics(uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
     from mlflow.entities import Metric  # heavy import, only where tracking happens
-    import time
 
     now = int(time.time() * 1000)
     client = _client(uri)

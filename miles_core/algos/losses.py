@@ -1,11 +1,11 @@
-"""Policy-gradient and SFT losses, per token, with aggregation kept separate.
+"""Policy-gradient losses, per token; the trainer aggregates them.
 
 Follows the PPO clipped surrogate (Schulman et al. 2017) as used by GRPO (DeepSeekMath,
 Shao et al. 2024). Departures:
 * Asymmetric clip range [1 - eps_low, 1 + eps_high] ("clip-higher", DAPO, Yu et al. 2025);
   PPO and GRPO use one symmetric eps. Pass eps_low == eps_high to recover them.
-* The loss is returned per token, unreduced; `aggregate` reduces it. The only mode so far is
-  "token-mean" (every unmasked token of the batch weighs the same, DAPO's token-level loss),
+* The loss is returned per token, unreduced; the trainer takes the token-mean over each
+  mini-batch's loss-masked tokens (every token weighs the same, DAPO's token-level loss),
   whereas the GRPO paper averages within each sample first and then over samples.
 * No KL term here: GRPO puts k3 KL to the reference model inside the objective; we compute it
   in `kl.py` and leave adding it (to the loss or to the reward) to the caller.
@@ -13,8 +13,6 @@ Shao et al. 2024). Departures:
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -51,28 +49,3 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     if dim is None:
         return (values * mask).sum() / mask.sum().clamp(min=1.0)  # []
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)  # shape minus `dim`
-
-
-def _token_mean(loss: Tensor, mask: Tensor) -> Tensor:
-    return masked_mean(loss, mask)  # []
-
-
-# Reduction modes of a per-token loss [B, T] with mask [B, T] to a scalar.
-_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "token-mean": _token_mean,
-}
-
-
-def aggregate(loss: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
-    """Reduce a per-token loss [B, T] under mask [B, T] to a scalar [] by `mode`."""
-    try:
-        reduce = _AGGREGATIONS[mode]
-    except KeyError:
-        known = ", ".join(sorted(_AGGREGATIONS))
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; known modes: {known}") from None
-    return reduce(loss, mask)
-
-
-def sft_loss(logprobs: Tensor, mask: Tensor) -> Tensor:
-    """Negative log-likelihood, token-mean over unmasked tokens: [B, T] x [B, T] -> []."""
-    return masked_mean(-logprobs, mask)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from miles_core.algos.advantages import broadcast_to_tokens, grpo_advantages
 from miles_core.algos.kl import entropy_from_logits, kl_penalty, token_logprobs
-from miles_core.algos.losses import aggregate, masked_mean, ppo_clip_loss, sft_loss
+from miles_core.algos.losses import masked_mean, ppo_clip_loss
 
 # Behaviour only: no per-example deadline, few examples so the file stays fast.
 PROPERTY = settings(max_examples=30, deadline=None, derandomize=True, database=None)
@@ -151,26 +151,6 @@ def test_masked_mean_of_empty_mask_is_zero(rows, cols, dim):
     values = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * 10 + cols))
     out = masked_mean(values, torch.zeros(rows, cols), dim=dim)
     assert torch.equal(out, torch.zeros_like(out))
-
-
-def test_aggregate_token_mean_by_hand():
-    loss = torch.tensor([[1.0, 3.0], [5.0, 7.0]])
-    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    # token-mean: (1 + 3 + 5) / 3 = 3.0 (a per-sample mean first would give (2 + 5) / 2 = 3.5)
-    close(aggregate(loss, mask), 3.0)
-    close(aggregate(loss, mask, mode="token-mean"), 3.0)
-
-
-def test_aggregate_unknown_mode_names_it_and_the_known_ones():
-    with pytest.raises(ValueError, match=r"'seq-mean'.*token-mean"):
-        aggregate(torch.zeros(1, 1), torch.ones(1, 1), mode="seq-mean")
-
-
-def test_sft_loss_by_hand():
-    logprobs = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]])
-    mask = torch.tensor([[1, 1], [1, 0]])
-    # -(-1 - 2 - 3) / 3 = 2.0; the masked -4 is ignored
-    close(sft_loss(logprobs, mask), 2.0)
 
 
 # --------------------------------------------------------------------------- KL
