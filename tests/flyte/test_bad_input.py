@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from miles_core.storage import sha256_file
-from tests.flyte.conftest import REPO, workflow_command, workflow_env
+from tests.conftest import REPO, workflow_command, workflow_env
 
 pytestmark = pytest.mark.flyte
 

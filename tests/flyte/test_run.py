@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from miles_core.storage import sha256_file
-from tests.flyte.conftest import REPO, final_policy, run_workflow, workflow_command, workflow_env
+from tests.conftest import REPO, final_policy, run_workflow, workflow_command, workflow_env
 
 pytestmark = pytest.mark.flyte
 
