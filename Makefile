@@ -38,5 +38,7 @@ bench: setup
 	$(PY) bench/trainer.py
 	$(PY) bench/orchestration.py
 
+# The Flyte cache remembers artifact paths under runs/: forget both together.
 clean:
 	rm -rf runs
+	test ! -x $(VENV)/bin/pyflyte || $(VENV)/bin/pyflyte local-cache clear

@@ -62,11 +62,13 @@ def score(samples: list[Sample], reward_fn, tokenizer, cfg: RewardConfig, group_
     for s in samples:
         text = tokenizer.decode(s.response_tokens, skip_special_tokens=True)
         try:
-            s.reward = min(max(float(reward_fn(text, s.label, s.metadata)), cfg.min), cfg.max)
-        except Exception:  # a reward bug must not lose the rollout; it is counted instead
+            s.reward = float(reward_fn(text, s.label, s.metadata))
+            if math.isnan(s.reward):
+                raise ValueError("reward is NaN")
+            s.reward = min(max(s.reward, cfg.min), cfg.max)
+        except Exception as err:  # a reward bug must not lose the rollout: recorded and counted instead
             s.reward, failures = cfg.min, failures + 1
-        if math.isnan(s.reward):
-            s.reward, failures = cfg.min, failures + 1
+            s.metadata = {**s.metadata, "reward_error": f"{type(err).__name__}: {err}"[:300]}
     rewards = torch.tensor([s.reward for s in samples]).view(-1, group_size)  # [G, n]
     return {
         "reward/mean": float(rewards.mean()),

@@ -94,3 +94,27 @@ def test_kl_term_needs_and_uses_the_reference(policy_dir):
     train(trainer, groups([1.0, 0.0]), algo, 2, 1.0, 0, reference=reference)
     metrics = train(trainer, groups([1.0, 0.0]), algo, 2, 1.0, 0, reference=reference)
     assert metrics["train/kl"] > 0  # the policy moved away from the reference after one step
+
+
+def test_a_failing_reward_fn_scores_min_and_is_recorded():
+    from miles_core.config import RewardConfig
+    from miles_core.loop import score
+
+    class Tok:
+        def decode(self, tokens, skip_special_tokens=True):
+            return "boom" if tokens[0] == 11 else "ok"
+
+    def reward_fn(response, label, metadata):
+        if response == "boom":
+            raise RuntimeError("parser exploded")
+        return float("nan") if metadata.get("nan") else 5.0  # clipped to reward.max
+
+    samples = groups([1.0, 0.0])  # responses start with 10 and 11
+    samples[0].metadata = {"nan": True}
+    metrics = score(samples, reward_fn, Tok(), RewardConfig(), group_size=2)
+    assert [s.reward for s in samples] == [0.0, 0.0] and metrics["reward/failures"] == 2.0
+    assert "RuntimeError: parser exploded" in samples[1].metadata["reward_error"]
+    assert "NaN" in samples[0].metadata["reward_error"]
+    samples[0].metadata = {}
+    score(samples, reward_fn, Tok(), RewardConfig(), group_size=2)
+    assert samples[0].reward == 1.0  # 5.0 clipped to [reward.min, reward.max]
