@@ -30,15 +30,17 @@ def atomic_dir(path: str | os.PathLike):
     final = Path(path)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir(parents=True)  # parents too: the first artifact of a stage creates its folder
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
-        shutil.rmtree(final)
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():  # a directory cannot be replaced in one rename: move it aside until the new one is in
+        os.replace(final, old)
     os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -21,10 +21,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
-from pathlib import Path
 
 from miles_core.config import DataConfig
+from miles_core.storage import atomic_file
 
 PROBLEM_SET = "addition"
 
@@ -122,15 +121,7 @@ def make_addition(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
 
 
 def write_jsonl(rows: list[dict], path: str | os.PathLike) -> None:
-    """Write one JSON object per line, atomically (temp file in the same directory + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write one JSON object per line, atomically."""
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -14,10 +14,6 @@ byte-identical `model.safetensors` and `tokenizer.json`.
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -29,6 +25,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from miles_core.config import ModelConfig
+from miles_core.storage import atomic_dir
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -134,26 +131,14 @@ def _init_model(cfg: ModelConfig, tokenizer) -> transformers.PreTrainedModel:
 
 
 def build_tiny_model(cfg: ModelConfig, out_dir: str) -> str:
-    """Build tokenizer + model from `cfg` and save them as an HF directory at `out_dir`.
-
-    Written to `out_dir + ".tmp"` first and renamed into place, so readers never see a half
-    written directory; an existing `out_dir` is replaced.
-    """
-    out = Path(out_dir)
-    tmp = Path(str(out) + ".tmp")
-    old = Path(str(out) + ".old")
-    for stale in (tmp, old):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Build tokenizer + model from `cfg` and save them as an HF directory at `out_dir`
+    (atomically: an existing `out_dir` is replaced only once the new one is complete)."""
     tokenizer = build_tokenizer()
     model = _init_model(cfg, tokenizer)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        os.replace(out, old)  # a directory cannot be replaced in one rename; keep it until the new one is in
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-    return str(out)
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return str(out_dir)
 
 
 def _as_ids(encoded) -> list[int]:
