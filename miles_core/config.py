@@ -100,6 +100,7 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 8
     seed: int = 0
+    generate_fn: str = "miles_core.loop:generate"  # plug-point: generate(engine, prompts, tokenizer, params)
 
     def __post_init__(self):
         _check(self.engine == "torch", "rollout.engine", f"unknown engine {self.engine!r} (available: torch)")

@@ -18,6 +18,7 @@ from miles_core.algos.objective import policy_loss
 from miles_core.config import AlgoConfig, EvalConfig, RewardConfig, RolloutConfig
 from miles_core.data.source import Prompt
 from miles_core.models.tiny import encode_prompt
+from miles_core.plugins import load_function
 from miles_core.rollout.base import RolloutEngine, SamplingParams
 from miles_core.samples import Sample
 from miles_core.train.base import Trainer, pack
@@ -29,10 +30,20 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], tokenizer, cfg: Rollou
         n=cfg.n_samples, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         max_new_tokens=cfg.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,), seed=seed,
     )
-    return generate(engine, prompts, tokenizer, params)
+    generate_fn = load_function(cfg.generate_fn, "rollout.generate_fn", GENERATE_PARAMS)
+    return generate_fn(engine, prompts, tokenizer, params)
+
+
+GENERATE_PARAMS = ("engine", "prompts", "tokenizer", "params")
 
 
 def generate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, params: SamplingParams) -> tuple[list[Sample], dict]:
+    """Single-turn generation, the default of the `rollout.generate_fn` plug-point.
+
+    Returns params.n samples per prompt, grouped by prompt (prompt-major, sample index minor),
+    each with prompt/response token ids as generated, rollout log-probs and loss mask, plus
+    rollout metrics {name: float}.
+    """
     started = time.perf_counter()
     prompt_tokens = [encode_prompt(tokenizer, p.text) for p in prompts]
     groups = engine.generate(prompt_tokens, params)

@@ -12,11 +12,15 @@ from typing import Callable, Protocol
 
 import torch
 
+from miles_core.algos.losses import loss_weights
 from miles_core.samples import Sample
 
 # loss_fn(logprobs [b, T], entropy [b, T], mask [b, T], extras {name: [b, ...]}) ->
 #   (per-token loss [b, T], {metric name: per-token values [b, T]})
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
+# weights_fn(loss mask of one whole mini-batch [b, T]) -> per-token weights [b, T]; the mini-batch's
+#   loss is sum(weights * per-token loss), e.g. algos.losses.loss_weights (token-mean by default)
+WeightsFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -62,9 +66,11 @@ class Trainer(Protocol):
     def logprobs(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
         """Per-token log-probs [B, T] of the batch's responses under the current policy, no grad."""
 
-    def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None) -> dict[str, float]:
+    def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights) -> dict[str, float]:
         """Optimizer steps over the batch (split into mini-batches, each into micro-batches);
-        the loss is the token-mean of loss_fn over each mini-batch's loss-masked tokens."""
+        each mini-batch's loss is sum(weights_fn(its loss mask) * loss_fn(...)), computed over the
+        whole mini-batch before it is split, so the aggregation does not depend on the micro-batch
+        size (or, across data-parallel ranks, on the sharding)."""
 
     def save(self, ckpt_dir: str) -> None:
         """Model, optimizer, RNG state and step: everything needed to continue bitwise."""

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from miles_core.algos.kl import entropy_from_logits, token_logprobs
 from miles_core.config import TrainConfig
-from miles_core.train.base import LossFn, PackedBatch
+from miles_core.algos.losses import loss_weights
+from miles_core.train.base import LossFn, PackedBatch, WeightsFn
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,7 +71,7 @@ class TorchTrainer:
         step = self.cfg.micro_batch_size
         return torch.cat([self._forward(batch.select(slice(i, i + step)), temperature)[0] for i in range(0, len(batch), step)])
 
-    def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None) -> dict[str, float]:
+    def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights) -> dict[str, float]:
         started = time.perf_counter()
         sums: dict[str, float] = {}
         total_tokens = float(batch.loss_mask.sum())
@@ -78,7 +79,7 @@ class TorchTrainer:
         grad_norms = []
         for m_start in range(0, len(batch), mini):
             m_rows = slice(m_start, m_start + mini)
-            m_tokens = max(float(batch.loss_mask[m_rows].sum()), 1.0)
+            weights = weights_fn(batch.loss_mask[m_rows])  # [b_mini, T]
             for group in self.optimizer.param_groups:
                 group["lr"] = lr if lr is not None else self.cfg.lr * min(1.0, (self.step + 1) / max(self.cfg.warmup_steps, 1))
             self.optimizer.zero_grad(set_to_none=True)
@@ -87,7 +88,7 @@ class TorchTrainer:
                 micro = batch.select(rows)
                 logprobs, entropy = self._forward(micro, temperature)
                 loss, metrics = loss_fn(logprobs, entropy, micro.loss_mask, {k: v[rows] for k, v in extras.items()})
-                (loss * micro.loss_mask).sum().div(m_tokens).backward()
+                (loss * weights[rows.start - m_start : rows.stop - m_start]).sum().backward()
                 for name, values in {"loss": loss.detach(), "entropy": entropy.detach(), **metrics}.items():
                     sums[name] = sums.get(name, 0.0) + float((values * micro.loss_mask).sum())
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)))
