@@ -64,6 +64,7 @@ class DataConfig:
     label_key: str = "label"
     metadata_key: str = "metadata"
     seed: int = 0
+    source_fn: str = "miles_core.data.source:PromptSource"  # plug-point: source(prompts, seed, state)
 
     def __post_init__(self):
         _check(self.problem_set == "addition", "data.problem_set", f"unknown problem set {self.problem_set!r}")
@@ -101,6 +102,15 @@ class RolloutConfig:
     max_new_tokens: int = 8
     seed: int = 0
     generate_fn: str = "miles_core.loop:generate"  # plug-point: generate(engine, prompts, tokenizer, params)
+    # sampling control (DAPO dynamic sampling): keep generating until prompts_per_step groups pass
+    # the filter, at most max_rounds rounds; each round asks for over_sample x the missing groups;
+    # groups beyond the batch wait in a buffer for the next step
+    dynamic_sampling: bool = False
+    over_sample: float = 1.0
+    max_rounds: int = 4
+    rollout_fn: str = "miles_core.loop:rollout"  # plug-point: rollout(engine, source, tokenizer, cfg, scorer, buffer, seed)
+    dynamic_filter_fn: str = "miles_core.algos.filters:nonzero_reward_std"  # plug-point: filter(group)
+    buffer_filter_fn: str = "miles_core.algos.filters:oldest_first"  # plug-point: take(buffer, n)
 
     def __post_init__(self):
         _check(self.engine == "torch", "rollout.engine", f"unknown engine {self.engine!r} (available: torch)")
@@ -110,35 +120,73 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+        _check(self.over_sample >= 1.0, "rollout.over_sample", "must be >= 1")
+        _check(self.max_rounds >= 1, "rollout.max_rounds", "must be >= 1")
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    fn: str = "miles_core.rewards.math:integer_answer"  # dotted path "pkg.mod:fn"
+    fn: str = "miles_core.rewards.math:integer_answer"  # plug-point: fn(response, label, metadata)
     min: float = 0.0
     max: float = 1.0
+    group_fn: str = "miles_core.rewards.base:each_sample"  # plug-point: group_fn(reward_fn, responses, label, metadata)
+    post_fn: str = "miles_core.rewards.base:no_post_processing"  # plug-point: post_fn(samples, group_size)
 
     def __post_init__(self):
-        _check(":" in self.fn, "reward.fn", f"must be a dotted path 'pkg.mod:fn', got {self.fn!r}")
         _check(self.min < self.max, "reward.max", "must be > reward.min")
+
+
+ADVANTAGES = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    advantage: str = "grpo"
-    normalize_std: bool = True
+    advantage: str = "grpo"  # grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo (GAE + critic)
+    normalize_std: bool = True  # grpo: divide by the group std (False = Dr.GRPO)
+    policy_loss: str = "ppo"  # ppo (token clip) | gspo (sequence ratio) | cispo
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
+    dual_clip: float = 0.0  # > 1 bounds negative-advantage tokens' loss at -c * A; 0 = off
+    loss_aggregation: str = "token-mean"
+    aggregation_horizon: int = 0  # seq-mean-token-sum-norm's constant; 0 = rollout.max_new_tokens
     kl_coef: float = 0.0
     kl_type: str = "low_var_kl"
+    kl_unbiased: bool = False  # weight the KL estimate by pi / pi_old (DeepSeek-V3.2)
+    kl_in_reward: bool = False  # shape the reward with -kl_coef * KL instead of a KL loss
     entropy_coef: float = 0.0
+    gamma: float = 1.0  # discount of token-level returns (reinforce_plus_plus, ppo)
+    lam: float = 0.95  # GAE lambda
+    value_clip: float = 0.2
+    critic_lr: float = 1e-3
+    critic_warmup_steps: int = 0  # first iterations train the critic only
     use_rollout_logprobs: bool = False  # old policy = the rollout's log-probs instead of a recompute
+    is_correction: str = "none"  # none | tis | mis: train/inference mismatch importance weights
+    is_level: str = "token"  # token | sequence
+    is_lower: float = 0.5
+    is_upper: float = 2.0
+    advantage_fn: str = "miles_core.algos.objective:compute_advantages"  # plug-point
+    loss_fn: str = "miles_core.algos.objective:policy_loss"  # plug-point
+    is_correction_fn: str = "miles_core.algos.objective:is_weights"  # plug-point
+    sample_filter_fn: str = "miles_core.algos.filters:keep_all"  # plug-point: keep(sample) -> bool
 
     def __post_init__(self):
-        _check(self.advantage == "grpo", "algo.advantage", f"unknown estimator {self.advantage!r} (available: grpo)")
+        _check(self.advantage in ADVANTAGES, "algo.advantage", f"unknown estimator {self.advantage!r} (available: {', '.join(ADVANTAGES)})")
+        _check(self.policy_loss in POLICY_LOSSES, "algo.policy_loss", f"unknown loss {self.policy_loss!r} (available: {', '.join(POLICY_LOSSES)})")
+        _check(self.loss_aggregation in AGGREGATIONS, "algo.loss_aggregation", f"unknown mode {self.loss_aggregation!r} (available: {', '.join(AGGREGATIONS)})")
         _check(self.eps_clip_low > 0 and self.eps_clip_high > 0, "algo.eps_clip_low", "clip ranges must be > 0")
+        _check(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", "must be 0 (off) or > 1")
+        _check(self.aggregation_horizon >= 0, "algo.aggregation_horizon", "must be >= 0")
         _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
-        _check(self.kl_type in ("k1", "k2", "low_var_kl"), "algo.kl_type", f"unknown KL estimator {self.kl_type!r}")
+        _check(self.kl_type in KL_TYPES, "algo.kl_type", f"unknown KL estimator {self.kl_type!r} (available: {', '.join(KL_TYPES)})")
+        _check(0 < self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "gamma must be in (0, 1] and lam in [0, 1]")
+        _check(self.value_clip > 0 and self.critic_lr > 0, "algo.value_clip", "value_clip and critic_lr must be > 0")
+        _check(self.critic_warmup_steps >= 0, "algo.critic_warmup_steps", "must be >= 0")
+        _check(self.is_correction in ("none", "tis", "mis"), "algo.is_correction", f"unknown correction {self.is_correction!r} (available: none, tis, mis)")
+        _check(self.is_level in ("token", "sequence"), "algo.is_level", f"must be token or sequence, got {self.is_level!r}")
+        _check(0 <= self.is_lower < 1 < self.is_upper, "algo.is_upper", "need 0 <= is_lower < 1 < is_upper")
 
 
 @dataclass(frozen=True)
@@ -168,6 +216,7 @@ class EvalConfig:
     interval: int = 5  # evaluate every k iterations (and at the end)
     max_new_tokens: int = 8
     batch_size: int = 256
+    fn: str = "miles_core.loop:evaluate"  # plug-point: fn(engine, prompts, tokenizer, reward_fn, reward, cfg, generate_fn)
 
     def __post_init__(self):
         _check(self.interval > 0, "evaluation.interval", "must be > 0")
@@ -188,6 +237,16 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class HooksConfig:
+    """Plug-points called around the training step; signatures in miles_core/hooks.py."""
+
+    before_train_step: str = "miles_core.hooks:before_train_step"
+    after_train_step: str = "miles_core.hooks:after_train_step"
+    after_save: str = "miles_core.hooks:after_save"
+    rollout_log: str = "miles_core.hooks:rollout_log"
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "tiny_arith_cpu"
     run_root: str = "runs"
@@ -202,10 +261,13 @@ class RunConfig:
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    hooks: HooksConfig = field(default_factory=HooksConfig)
 
     def __post_init__(self):
         _check(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")
         _check(self.iterations >= 1, "iterations", "must be >= 1")
+        _check(self.algo.advantage != "rloo" or self.rollout.n_samples >= 2, "algo.advantage", "rloo needs rollout.n_samples >= 2")
+        _check(self.algo.advantage != "ppo" or self.train.backend == "torch", "algo.advantage", f"ppo's critic runs on the torch backend, not {self.train.backend!r}")
 
 
 def config_hash(obj) -> str:
@@ -286,9 +348,12 @@ def main(argv: list[str]) -> int:
         print("usage: python -m miles_core.config RECIPE.yaml [key=value ...]", file=sys.stderr)
         return 2
     overrides = {k: yaml.safe_load(v) for k, v in (arg.split("=", 1) for arg in argv[1:])}
+    from miles_core.plugins import PluginError, check_plugins  # imports the plug-points' modules (torch)
+
     try:
         cfg = load_recipe(argv[0], overrides)
-    except ConfigError as err:
+        check_plugins(cfg)
+    except (ConfigError, PluginError) as err:
         print(f"bad recipe: {err}", file=sys.stderr)
         return 2
     print(json.dumps(dataclasses.asdict(cfg)))

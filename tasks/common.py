@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from typing import Optional
 
 import transformers
 from flytekit.types.directory import FlyteDirectory
@@ -53,6 +54,7 @@ class RolloutResult:
     batch: FlyteFile
     state: DataState  # the data source's position after this batch
     metrics: dict[str, float]
+    buffer: Optional[FlyteFile] = None  # groups generated beyond the batch, for the next step
 
 
 @dataclass

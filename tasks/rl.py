@@ -6,69 +6,100 @@ point at artifacts under the run root.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Optional
+
 from flytekit import task
+from flytekit.types.file import FlyteFile
 from transformers import AutoTokenizer
 
 from containers.images import cpu_image
 from miles_core import loop
-from miles_core.config import AlgoConfig, DataConfig, EvalConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
-from miles_core.data.source import DataState, PromptSource, load_prompts
-from miles_core.plugins import load_function
+from miles_core.config import AlgoConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
+from miles_core.data.source import DataState, load_prompts
+from miles_core.plugins import plugin
 from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.schemas import read_batch, write_batch
 from miles_core.storage import artifact_path, atomic_dir
-from miles_core.train.torch_backend import TorchTrainer
+from miles_core.train.torch_backend import TorchCritic, TorchTrainer
 from miles_core.weights.publish import copy_tokenizer, publish as publish_policy
 from tasks.common import BatchResult, Checkpoint, Dataset, Policy, RolloutResult, TrainResult, cache_version, lasting_dir, lasting_file
-
-REWARD_PARAMS = ("response", "label", "metadata")
 
 
 def _prompts(dataset_file, data: DataConfig):
     return load_prompts(dataset_file.path, data.input_key, data.label_key, data.metadata_key)
 
 
-@task(cache=True, cache_version=cache_version(TrainConfig), container_image=cpu_image)
-def convert(cfg: TrainConfig, policy: Policy, root: str) -> Checkpoint:
-    """Base HF checkpoint -> the trainer's checkpoint format."""
-    out = artifact_path(root, "checkpoint", 0, cfg, policy.dir.path)
+def _critic_cfg(algo: AlgoConfig, cfg: TrainConfig) -> TrainConfig:
+    return dataclasses.replace(cfg, lr=algo.critic_lr)
+
+
+def _scorer(reward: RewardConfig, tokenizer, group_size: int):
+    return functools.partial(loop.score, reward_fn=plugin(reward, "reward", "fn"), tokenizer=tokenizer, cfg=reward, group_size=group_size)
+
+
+@task(cache=True, cache_version=cache_version(TrainConfig, AlgoConfig), container_image=cpu_image)
+def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Checkpoint:
+    """Base HF checkpoint -> the trainer's checkpoint format (and a fresh critic for PPO)."""
+    out = artifact_path(root, "checkpoint", 0, cfg, algo, policy.dir.path)
     with atomic_dir(out) as tmp:
         TorchTrainer.from_hf(policy.dir.path, cfg).save(str(tmp))
+        if algo.advantage == "ppo":
+            TorchCritic.from_hf(policy.dir.path, _critic_cfg(algo, cfg)).save(str(tmp / "critic"))
         copy_tokenizer(policy.dir.path, tmp)
     return Checkpoint(dir=lasting_dir(out), step=0)
 
 
-@task(cache=True, cache_version=cache_version(RolloutConfig, DataConfig), container_image=cpu_image)
-def rollout(cfg: RolloutConfig, data: DataConfig, policy: Policy, dataset: Dataset, state: DataState, iteration: int, root: str) -> RolloutResult:
-    source = PromptSource(_prompts(dataset.train, data), seed=data.seed, state=state)
-    prompts = source.next_batch(cfg.prompts_per_step)
-    engine = TorchEngine(policy.dir.path, policy.version)
-    samples, metrics = loop.rollout(engine, prompts, AutoTokenizer.from_pretrained(policy.dir.path), cfg, seed=cfg.seed * 1_000_003 + iteration)
-    out = write_batch(samples, artifact_path(root, "rollout", iteration, cfg, policy.dir.path, state, suffix=".parquet"))
-    return RolloutResult(batch=lasting_file(out), state=source.state, metrics=metrics)
+@task(cache=True, cache_version=cache_version(RolloutConfig, DataConfig, RewardConfig), container_image=cpu_image)
+def rollout(cfg: RolloutConfig, data: DataConfig, reward: RewardConfig, policy: Policy, dataset: Dataset, state: DataState,
+            buffer: Optional[FlyteFile], iteration: int, root: str) -> RolloutResult:
+    source = plugin(data, "data", "source_fn")(_prompts(dataset.train, data), data.seed, state)
+    tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)
+    waiting = read_batch(buffer.path, scored=True) if buffer is not None else []
+    groups = [waiting[i : i + cfg.n_samples] for i in range(0, len(waiting), cfg.n_samples)]
+    samples, left, metrics = plugin(cfg, "rollout", "rollout_fn")(
+        TorchEngine(policy.dir.path, policy.version), source, tokenizer, cfg, _scorer(reward, tokenizer, cfg.n_samples), groups, cfg.seed * 1_000_003 + iteration,
+    )
+    out = artifact_path(root, "rollout", iteration, cfg, reward, policy.dir.path, state, buffer.path if buffer else "", suffix=".parquet")
+    write_batch(samples, out)
+    left_file = write_batch([s for g in left for s in g], out.with_suffix(".buffer.parquet"), scored=True) if left else None
+    return RolloutResult(batch=lasting_file(out), state=source.state, metrics=metrics, buffer=lasting_file(left_file) if left_file else None)
 
 
-@task(cache=True, cache_version=cache_version(RewardConfig), container_image=cpu_image)
-def score(cfg: RewardConfig, group_size: int, policy: Policy, batch: RolloutResult, iteration: int, root: str) -> BatchResult:
+@task(cache=True, cache_version=cache_version(RewardConfig, HooksConfig), container_image=cpu_image)
+def score(cfg: RewardConfig, hooks: HooksConfig, group_size: int, policy: Policy, batch: RolloutResult, iteration: int, root: str) -> BatchResult:
     samples = read_batch(batch.batch.path)
-    reward_fn = load_function(cfg.fn, "reward.fn", REWARD_PARAMS)
-    metrics = loop.score(samples, reward_fn, AutoTokenizer.from_pretrained(policy.dir.path), cfg, group_size)
-    out = artifact_path(root, "scored", iteration, cfg, batch.batch.path, suffix=".parquet")
+    metrics = _scorer(cfg, AutoTokenizer.from_pretrained(policy.dir.path), group_size)(samples)
+    metrics.update(plugin(hooks, "hooks", "rollout_log")(samples, {**batch.metrics, **metrics}, iteration))
+    out = artifact_path(root, "scored", iteration, cfg, hooks, batch.batch.path, suffix=".parquet")
     write_batch(samples, out, scored=True, reward_range=(cfg.min, cfg.max))
     return BatchResult(batch=lasting_file(out), metrics=metrics)
 
 
-@task(cache=True, cache_version=cache_version(AlgoConfig, TrainConfig), container_image=cpu_image)
-def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, group_size: int, temperature: float, ckpt: Checkpoint, batch: BatchResult, reference: Policy, iteration: int, root: str) -> TrainResult:
+@task(cache=True, cache_version=cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig), container_image=cpu_image)
+def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: RolloutConfig, hooks: HooksConfig,
+          ckpt: Checkpoint, batch: BatchResult, reference: Policy, iteration: int, root: str) -> TrainResult:
     samples = read_batch(batch.batch.path, scored=True, reward_range=(reward.min, reward.max))
     trainer = TorchTrainer.load(ckpt.dir.path, cfg)
+    critic_dir = Path(ckpt.dir.path) / "critic"
+    critic = TorchCritic.load(str(critic_dir), _critic_cfg(algo, cfg)) if algo.advantage == "ppo" else None
     ref = TorchTrainer.from_hf(reference.dir.path, cfg) if algo.kl_coef > 0 else None
     pad_id = AutoTokenizer.from_pretrained(ckpt.dir.path).pad_token_id
-    metrics = loop.train(trainer, samples, algo, group_size, temperature, pad_id, reference=ref)
-    out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, ckpt.dir.path, batch.batch.path)
+    plugin(hooks, "hooks", "before_train_step")(trainer, samples, iteration)
+    metrics = loop.train(
+        trainer, samples, algo, rollout.n_samples, rollout.temperature, pad_id, reference=ref, critic=critic,
+        horizon=rollout.max_new_tokens, train_policy=iteration >= algo.critic_warmup_steps,
+    )
+    plugin(hooks, "hooks", "after_train_step")(trainer, metrics, iteration)
+    out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, ckpt.dir.path, batch.batch.path)
     with atomic_dir(out) as tmp:
         trainer.save(str(tmp))
+        if critic is not None:
+            critic.save(str(tmp / "critic"))
         copy_tokenizer(ckpt.dir.path, tmp)
+    plugin(hooks, "hooks", "after_save")(str(out), iteration)
     return TrainResult(ckpt=Checkpoint(dir=lasting_dir(out), step=trainer.step), metrics=metrics)
 
 
@@ -81,12 +112,13 @@ def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent
     return Policy(dir=lasting_dir(out), version=version)
 
 
-@task(cache=True, cache_version=cache_version(EvalConfig, RewardConfig, DataConfig), container_image=cpu_image)
-def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, policy: Policy, dataset: Dataset) -> dict[str, float]:
-    """Greedy accuracy of a policy version on the held-out split."""
-    reward_fn = load_function(reward.fn, "reward.fn", REWARD_PARAMS)
+@task(cache=True, cache_version=cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig), container_image=cpu_image)
+def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: RolloutConfig, policy: Policy, dataset: Dataset) -> dict[str, float]:
+    """Held-out evaluation of a policy version (evaluation.fn, greedy accuracy by default)."""
     engine = TorchEngine(policy.dir.path, policy.version, max_batch_sequences=cfg.batch_size)
     tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)
-    metrics = loop.evaluate(engine, _prompts(dataset.test, data), tokenizer, reward_fn, reward, cfg)
+    metrics = plugin(cfg, "evaluation", "fn")(
+        engine, _prompts(dataset.test, data), tokenizer, plugin(reward, "reward", "fn"), reward, cfg, generate_fn=plugin(rollout, "rollout", "generate_fn"),
+    )
     print(f"evaluate: policy v{policy.version}: held-out accuracy {metrics['eval/accuracy']:.3f}")
     return metrics

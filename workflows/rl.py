@@ -27,21 +27,21 @@ LoopResult = NamedTuple("LoopResult", [("policy", Policy), ("evaluation", dict[s
 @dynamic(container_image=cpu_image)
 def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> LoopResult:
     """N synchronous iterations; returns the final policy and its held-out evaluation."""
-    root, policy, state = cfg.run_root, start, DataState()
-    ckpt = convert(cfg=cfg.train, policy=start, root=root)
+    root, policy, state, buffer = cfg.run_root, start, DataState(), None
+    ckpt = convert(cfg=cfg.train, algo=cfg.algo, policy=start, root=root)
     evaluation = {}
     for it in range(cfg.iterations):
-        batch = rollout(cfg=cfg.rollout, data=cfg.data, policy=policy, dataset=dataset, state=state, iteration=it, root=root)
-        scored = score(cfg=cfg.reward, group_size=cfg.rollout.n_samples, policy=policy, batch=batch, iteration=it, root=root)
+        batch = rollout(cfg=cfg.rollout, data=cfg.data, reward=cfg.reward, policy=policy, dataset=dataset, state=state, buffer=buffer, iteration=it, root=root)
+        scored = score(cfg=cfg.reward, hooks=cfg.hooks, group_size=cfg.rollout.n_samples, policy=policy, batch=batch, iteration=it, root=root)
         trained = train(
-            algo=cfg.algo, cfg=cfg.train, reward=cfg.reward, group_size=cfg.rollout.n_samples, temperature=cfg.rollout.temperature,
+            algo=cfg.algo, cfg=cfg.train, reward=cfg.reward, rollout=cfg.rollout, hooks=cfg.hooks,
             ckpt=ckpt, batch=scored, reference=start, iteration=it, root=root,
         )
         policy = publish(cfg=cfg.publish, train_cfg=cfg.train, ckpt=trained.ckpt, parent=policy, root=root)
         due = (it + 1) % cfg.evaluation.interval == 0 or it + 1 == cfg.iterations
-        evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, policy=policy, dataset=dataset) if due else {}
+        evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset) if due else {}
         log_iteration(run=run, iteration=it, rollout=batch.metrics, score=scored.metrics, train=trained.metrics, evaluation=evaluation, policy=policy)
-        ckpt, state = trained.ckpt, batch.state
+        ckpt, state, buffer = trained.ckpt, batch.state, batch.buffer
     return policy, evaluation
 
 
@@ -50,7 +50,7 @@ def rl(cfg: RunConfig = RunConfig()) -> Report:
     base = build_model(cfg=cfg.model, root=cfg.run_root)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
-    before = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, policy=start, dataset=dataset)
+    before = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=start, dataset=dataset)
     run = start_run(cfg=cfg, dataset=dataset, start=start, evaluation=before)
     final = rl_loop(cfg=cfg, start=start, dataset=dataset, run=run)
     return finish_run(run=run, before=before, after=final.evaluation, policy=final.policy, root=cfg.run_root)

@@ -1,6 +1,16 @@
-"""Group-relative advantages (GRPO, DeepSeekMath, Shao et al. 2024, outcome supervision).
+"""Advantage estimators: GRPO, RLOO, REINFORCE++ (and its group baseline), PPO's GAE.
 
-Departures from the paper:
+* grpo (DeepSeekMath, Shao et al. 2024): reward minus group mean, over the group std; with
+  `normalize_std=False` it is Dr.GRPO's (Liu et al. 2025) centering only. GSPO (Zheng et al.
+  2025) uses the same group-normalised advantage; it differs in the loss (`losses.gspo_loss`).
+* rloo (Ahmadian et al. 2024): reward minus the mean of the *other* samples of its group.
+* reinforce_plus_plus (Hu 2025): per-token rewards (outcome at the last token, minus the KL
+  penalty on every token when KL is shaped into the reward), discounted returns, whitened over
+  the whole batch. reinforce_plus_plus_baseline subtracts the group mean reward first.
+* ppo (Schulman et al. 2017) with GAE (Schulman et al. 2016) on a learned critic's values;
+  advantages whitened over the batch, returns = advantages + values (before whitening).
+
+Departures from the GRPO paper:
 * The paper writes "std(r)" without saying which estimator. We use the unbiased (Bessel,
   n - 1) std, as the reference GRPO implementations do (`Tensor.std()` in TRL and verl), so
   numbers match theirs. A group of size 1 has no spread: its std is taken as 0.
@@ -15,6 +25,7 @@ Departures from the paper:
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -56,3 +67,79 @@ def broadcast_to_tokens(adv: Tensor, mask: Tensor) -> Tensor:
             f"expected adv [B] and mask [B, T], got {tuple(adv.shape)} and {tuple(mask.shape)}"
         )
     return adv.unsqueeze(1) * mask.to(adv.dtype)  # [B, T]
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """Leave-one-out baseline: r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_j r_j).
+
+    rewards: [B], consecutive groups of `group_size` >= 2. Returns [B].
+    """
+    if group_size < 2:
+        raise ValueError(f"rloo needs group_size >= 2 (a leave-one-out baseline), got {group_size}")
+    grouped = rewards.float().reshape(-1, group_size)  # [B/G, G]
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [B/G, G]
+    return (grouped - others).reshape(-1)  # [B]
+
+
+def token_rewards(rewards: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
+    """The outcome reward on each response's last token, minus kl_coef * kl on every token.
+
+    rewards: [B]; mask: [B, T] response tokens (right-padded); kl: [B, T] or None. Returns [B, T].
+    """
+    mask = mask.float()
+    out = torch.zeros_like(mask)  # [B, T]
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = (positions * (mask > 0)).max(dim=1).values  # [B] index of each row's last token
+    out[torch.arange(mask.shape[0]), last] = rewards.float() * (mask.sum(dim=1) > 0)
+    if kl is not None and kl_coef > 0:
+        out = out - kl_coef * kl * mask
+    return out
+
+
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """G_t = sum_{s >= t} gamma^(s - t) r_s over each response's tokens: [B, T] -> [B, T]."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(v - mean) / std over the masked entries of the whole batch (unbiased std); 0 off the mask."""
+    mask = mask.float()
+    count = mask.sum().clamp(min=1.0)
+    mean = (values * mask).sum() / count
+    var = (((values - mean) * mask) ** 2).sum() / (count - 1).clamp(min=1.0)
+    return (values - mean) * torch.rsqrt(var + eps) * mask
+
+
+def reinforce_plus_plus_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
+    """Whitened discounted returns of the per-token rewards. rewards [B]; mask, kl [B, T]. -> [B, T]."""
+    return whiten(discounted_returns(token_rewards(rewards, mask, kl, kl_coef), mask, gamma), mask)
+
+
+def reinforce_plus_plus_baseline_advantages(rewards: Tensor, group_size: int, mask: Tensor, gamma: float = 1.0, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
+    """REINFORCE++ on rewards minus their group mean (the group baseline), then whitened. -> [B, T]."""
+    centered = grpo_advantages(rewards, group_size, normalize_std=False)  # [B]
+    return reinforce_plus_plus_advantages(centered, mask, gamma, kl, kl_coef)
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over each response.
+
+    rewards (per token), values (critic, V(s_t) before token t), mask: [B, T], right-padded.
+    delta_t = r_t + gamma V(s_{t+1}) - V(s_t), with V = 0 after the last token;
+    A_t = delta_t + gamma lam A_{t+1}. Returns (advantages [B, T], returns = A + V [B, T]).
+    """
+    mask = mask.float()
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    next_value = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        advantages[:, t] = running
+        next_value = values[:, t] * mask[:, t]
+    return advantages, (advantages + values) * mask

@@ -7,6 +7,10 @@ k2 = (log r)^2 / 2 (biased, low variance), k3 = r - 1 - log r (unbiased, >= 0). 
 * "low_var_kl" is k3 clamped as in verl: log r is clamped to [-20, 20] before exp and the
   result to [-10, 10], trading unbiasedness on extreme tokens for bounded gradients.
   "k3" is accepted as another name for it.
+* `old_logprobs` given (DeepSeek-V3.2, 2025) multiplies each token's estimate by the importance
+  ratio pi / pi_old, correcting for tokens sampled from pi_old rather than pi. The ratio keeps
+  its gradient: E_old[ratio * k] is then exactly KL(pi || pi_ref) in value and in gradient
+  (with the ratio detached the k3 gradient would be that of KL(pi_ref || pi) instead).
 * Applied per token as in GRPO. The note assumes samples from pi; rollout tokens come from
   the rollout policy, so after the first update on a batch the estimate is off-policy.
 * Log-probabilities and entropy are computed in at least float32 (bf16/fp16 logits are
@@ -43,10 +47,11 @@ _ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str, old_logprobs: Tensor | None = None) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (or from pi_old).
 
     logprobs (pi), ref_logprobs (pi_ref): [B, T]. kind: "k1", "k2", "low_var_kl" ("k3").
+    old_logprobs [B, T] given: the unbiased estimate, weighted by pi / pi_old (with gradient).
     Returns [B, T].
     """
     try:
@@ -54,7 +59,10 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
     except KeyError:
         known = ", ".join(sorted(_ESTIMATORS))
         raise ValueError(f"unknown KL estimator kind {kind!r}; known kinds: {known}") from None
-    return estimator(logprobs, ref_logprobs)
+    kl = estimator(logprobs, ref_logprobs)  # [B, T]
+    if old_logprobs is not None:
+        kl = kl * torch.exp(logprobs - old_logprobs)
+    return kl
 
 
 def _upcast(logits: Tensor) -> Tensor:

@@ -1,7 +1,13 @@
-"""Policy-gradient losses, per token; the trainer aggregates them.
+"""Policy-gradient and value losses, per token; the trainer aggregates them.
 
-Follows the PPO clipped surrogate (Schulman et al. 2017) as used by GRPO (DeepSeekMath,
-Shao et al. 2024). Departures:
+* ppo_clip_loss: the PPO clipped surrogate (Schulman et al. 2017) as used by GRPO, with
+  DAPO's asymmetric range and optional dual clip (Ye et al. 2020).
+* gspo_loss: GSPO's sequence-level ratio (Zheng et al. 2025), clipped per sequence.
+* cispo_loss: CISPO (MiniMax-M1, 2025): the clipped importance weight is a constant (no
+  gradient) multiplying a REINFORCE term, so clipped tokens still get gradient.
+* value_loss: PPO's clipped value loss for the critic.
+
+Departures of ppo_clip_loss from PPO / GRPO:
 * Asymmetric clip range [1 - eps_low, 1 + eps_high] ("clip-higher", DAPO, Yu et al. 2025);
   PPO and GRPO use one symmetric eps. Pass eps_low == eps_high to recover them.
 * The loss is returned per token, unreduced; the trainer weighs it with `loss_weights`, whose
@@ -10,13 +16,15 @@ Shao et al. 2024). Departures:
   normaliser are the other modes.
 * No KL term here: GRPO puts k3 KL to the reference model inside the objective; we compute it
   in `kl.py` and leave adding it (to the loss or to the reward) to the caller.
-* No dual-clip (Ye et al. 2020) bound on negative-advantage tokens.
+* Dual clip is off unless `dual_clip` > 1 is given.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from miles_core.config import AGGREGATIONS
 
 
 def ppo_clip_loss(
@@ -25,20 +33,64 @@ def ppo_clip_loss(
     advantages: Tensor,
     eps_low: float,
     eps_high: float,
+    dual_clip: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Clipped surrogate loss per token and the clip indicator per token.
 
     logprobs, old_logprobs, advantages: [B, T].
     Returns (loss [B, T], clipped [B, T]); `clipped` is 1.0 where the clipped term is the
     larger (active) one and strictly differs from the unclipped one, else 0.0, so its masked
-    mean is the usual clip fraction.
+    mean is the usual clip fraction. With dual_clip = c > 1, a negative-advantage token's loss
+    is at most -c * A (its ratio's pull is bounded when the ratio is huge).
     """
     ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
     unclipped = -advantages * ratio  # [B, T]
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # [B, T]
     loss = torch.maximum(unclipped, clipped)  # [B, T]
     clip_active = (clipped > unclipped).to(loss.dtype)  # [B, T]
+    if dual_clip > 1.0:
+        bound = -dual_clip * advantages  # [B, T]
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        clip_active = torch.maximum(clip_active, dual.to(loss.dtype))
     return loss, clip_active
+
+
+def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+    """GSPO: the sequence ratio s_i = exp(mean_t (logp - old)) clipped per sequence.
+
+    All [B, T]. Per token the ratio is sg(s_i) * exp(logp_t - sg(logp_t)): its value is s_i and
+    its gradient is s_i * grad(logp_t); with the seq-mean-token-mean aggregation that is the
+    paper's gradient (1/G) sum_i s_i A_i (1/|y_i|) sum_t grad(logp_t). With one-token responses
+    it equals ppo_clip_loss. Returns (loss [B, T], clipped [B, T]).
+    """
+    mask = mask.to(logprobs.dtype)
+    log_seq_ratio = masked_mean(logprobs - old_logprobs, mask, dim=1).detach()  # [B]
+    ratio = torch.exp(log_seq_ratio).unsqueeze(1) * torch.exp(logprobs - logprobs.detach())  # [B, T]
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    return loss * mask, (clipped > unclipped).to(loss.dtype) * mask
+
+
+def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+    """CISPO: -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp, per token; all [B, T].
+
+    Returns (loss [B, T], clipped [B, T]) where `clipped` marks tokens whose weight was clipped.
+    """
+    ratio = torch.exp(logprobs - old_logprobs).detach()  # [B, T]
+    weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    return -weight * advantages * logprobs, (weight != ratio).to(logprobs.dtype)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2); all [B, T].
+
+    Returns (loss [B, T], clipped [B, T]) with `clipped` where the clipped term is the larger.
+    """
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    plain, bounded = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(plain, bounded), (bounded > plain).to(values.dtype)
 
 
 def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -51,8 +103,6 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
         return (values * mask).sum() / mask.sum().clamp(min=1.0)  # []
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)  # shape minus `dim`
 
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def loss_weights(mask: Tensor, mode: str = "token-mean", horizon: int = 1) -> Tensor:

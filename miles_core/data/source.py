@@ -127,7 +127,12 @@ def load_prompts(
 
 
 class PromptSource:
-    """Endless batches of prompts: a new seeded permutation each epoch, resumable from `state`."""
+    """Endless batches of prompts: a new seeded permutation each epoch, resumable from `state`.
+
+    The default of the `data.source_fn` plug-point: `source_fn(prompts, seed, state)` returns an
+    object with `next_batch(n) -> list[Prompt]` and a `state -> DataState` property from which an
+    equal source can be rebuilt (so a resumed run neither repeats nor skips prompts).
+    """
 
     def __init__(self, prompts: list[Prompt], seed: int, state: DataState = DataState()):
         if not prompts:

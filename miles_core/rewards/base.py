@@ -20,3 +20,23 @@ class RewardFn(Protocol):
     """
 
     def __call__(self, response: str, label: str, metadata: dict) -> float: ...
+
+
+def each_sample(reward_fn: RewardFn, responses: list[str], label: str, metadata: dict) -> list[float]:
+    """Default of the `reward.group_fn` plug-point: scores a prompt's group of responses at once.
+
+    `group_fn(reward_fn, responses, label, metadata) -> list[float]`, one reward per response,
+    in order; `reward_fn` is the configured `reward.fn`. A group function sees all responses to
+    one prompt (e.g. to rank them, or to reward diversity); this default scores each alone.
+    A failure of the whole call scores every response of the group `reward.min`.
+    """
+    return [reward_fn(r, label, metadata) for r in responses]
+
+
+def no_post_processing(samples: list, group_size: int) -> None:
+    """Default of the `reward.post_fn` plug-point: leaves the rewards as scored.
+
+    `post_fn(samples, group_size) -> None` may rewrite `sample.reward` in place after scoring
+    (e.g. a length penalty, or DAPO's overlong shaping); samples come in groups of `group_size`.
+    Results are clamped to [reward.min, reward.max] afterwards.
+    """

@@ -1,6 +1,7 @@
 """Math answer rewards: exact integer match of the response's first integer against the label.
 
-The default reward of the addition problem set.  It departs from math-verify style checking on
+The default of the `reward.fn` plug-point (signature: `miles_core.rewards.base.RewardFn`), for
+the addition problem set.  It departs from math-verify style checking on
 purpose: the tiny policy answers with a bare integer, and a plain regex is exact, total (never
 raises) and does not depend on sympy parsing of arbitrary model output.
 """

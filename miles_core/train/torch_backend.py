@@ -1,6 +1,8 @@
 """The torch trainer backend: the HF model itself, AdamW, micro-batches and gradient clipping.
 
-The embedded default.  A checkpoint is a directory holding the model as HF safetensors
+The embedded default. `TorchCritic` is the same trainer around a value model (the policy's
+transformer with a scalar head, HF's *ForTokenClassification), for PPO; its `logprobs` are
+the values V(s_t) of the state before each response token.  A checkpoint is a directory holding the model as HF safetensors
 (`save_pretrained`), `optimizer.pt` and `trainer_state.json` (step, torch RNG state), so a
 resumed run continues bitwise on CPU.
 """
@@ -12,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from miles_core.algos.kl import entropy_from_logits, token_logprobs
 from miles_core.config import TrainConfig
@@ -23,6 +25,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class TorchTrainer:
+    auto_class = AutoModelForCausalLM
+    model_kwargs: dict = {}
+
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, step: int = 0):
         self.model = model.float().train()
         self.cfg = cfg
@@ -34,12 +39,12 @@ class TorchTrainer:
     @classmethod
     def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> "TorchTrainer":
         torch.manual_seed(cfg.seed)
-        return cls(AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32), cfg)
+        return cls(cls.auto_class.from_pretrained(policy_dir, dtype=torch.float32, **cls.model_kwargs), cfg)
 
     @classmethod
     def load(cls, ckpt_dir: str, cfg: TrainConfig) -> "TorchTrainer":
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text())
-        trainer = cls(AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32), cfg, step=state["step"])
+        trainer = cls(cls.auto_class.from_pretrained(ckpt_dir, dtype=torch.float32, **cls.model_kwargs), cfg, step=state["step"])
         optim_file = Path(ckpt_dir) / "optimizer.pt"
         if optim_file.exists():  # a freshly converted checkpoint has no optimizer state yet
             trainer.optimizer.load_state_dict(torch.load(optim_file, weights_only=True))
@@ -57,7 +62,7 @@ class TorchTrainer:
         state = {k: v.detach().to(_DTYPES[dtype]) for k, v in self.model.state_dict().items()}
         self.model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
 
-    def _forward(self, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]  # [b, L-1, V]
         index = batch.gather_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         response_logits = logits.gather(1, index)  # [b, T, V]
@@ -89,7 +94,9 @@ class TorchTrainer:
                 logprobs, entropy = self._forward(micro, temperature)
                 loss, metrics = loss_fn(logprobs, entropy, micro.loss_mask, {k: v[rows] for k, v in extras.items()})
                 (loss * weights[rows.start - m_start : rows.stop - m_start]).sum().backward()
-                for name, values in {"loss": loss.detach(), "entropy": entropy.detach(), **metrics}.items():
+                if entropy is not None:
+                    metrics = {"entropy": entropy.detach(), **metrics}
+                for name, values in {"loss": loss.detach(), **metrics}.items():
                     sums[name] = sums.get(name, 0.0) + float((values * micro.loss_mask).sum())
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)))
             self.optimizer.step()
@@ -103,3 +110,12 @@ class TorchTrainer:
         })
         return out
 
+
+
+class TorchCritic(TorchTrainer):
+    auto_class = AutoModelForTokenClassification
+    model_kwargs = {"num_labels": 1}
+
+    def _forward(self, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, None]:
+        hidden = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1, 0]  # [b, L-1]
+        return hidden.gather(1, batch.gather_index) * batch.response_mask, None  # [b, T] V before each token

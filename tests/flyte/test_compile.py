@@ -48,10 +48,10 @@ def test_tracking_tasks_always_run(task):
 
 def test_typed_interfaces():
     rollout = compile_entity(rl_tasks.rollout).template.interface
-    assert set(rollout.inputs) == {"cfg", "data", "policy", "dataset", "state", "iteration", "root"}
+    assert set(rollout.inputs) == {"cfg", "data", "reward", "policy", "dataset", "state", "buffer", "iteration", "root"}
     assert set(rollout.outputs) == {"o0"}
     train = compile_entity(rl_tasks.train).template.interface
-    assert {"ckpt", "batch", "algo", "cfg", "reference"} <= set(train.inputs)
+    assert {"ckpt", "batch", "algo", "cfg", "rollout", "hooks", "reference"} <= set(train.inputs)
 
 
 def test_workflow_compiles_with_its_static_nodes():

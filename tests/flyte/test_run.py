@@ -26,7 +26,7 @@ def test_run_trains_and_tracks(smoke_run):
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3]
     assert len(client.get_metric_history(run.info.run_id, "eval_accuracy")) == 4  # SFT start + 3 iterations
-    for key in ("train_loss", "train_clip_fraction", "train_entropy", "train_logprob_mismatch", "rollout_tokens_per_s", "time_train_s"):
+    for key in ("train_loss", "train_clip_fraction", "train_entropy", "mismatch_abs_logprob_diff", "rollout_tokens_per_s", "time_train_s"):
         assert key in run.data.metrics
     assert run.data.params["rollout.n_samples"] == "4"
     assert run.data.tags["policy_version"] == "4" and run.data.tags["parent_version"] == "1"

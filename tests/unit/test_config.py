@@ -47,7 +47,8 @@ def test_overrides_only_change_what_they_name(tmp_path):
         ("model: {hidden_size: 130, num_heads: 4}\n", "model.hidden_size: must be divisible by num_heads"),
         ("rollout: 3\n", "rollout: expected a mapping"),
         ("iterations: 0\n", "iterations: must be >= 1"),
-        ("reward: {fn: not_a_path}\n", "reward.fn: must be a dotted path"),
+        ("algo: {advantage: ppo2}\n", "algo.advantage: unknown estimator 'ppo2'"),
+        ("rollout: {n_samples: 1}\nalgo: {advantage: rloo}\n", "algo.advantage: rloo needs rollout.n_samples >= 2"),
         ("train: [lr\n", "not valid YAML"),
     ],
 )

@@ -58,7 +58,7 @@ def test_grpo_step_raises_the_rewarded_response(policy_dir):
     assert after[0] > before[0] and after[1] < before[1]
     assert trainer.step == 1 and metrics["train/step"] == 1.0
     assert metrics["train/clip_fraction"] == 0.0  # ratio is 1 on the first (only) mini-batch
-    assert metrics["train/logprob_mismatch"] > 0  # the samples' rollout log-probs (-1.0) are not the model's
+    assert metrics["mismatch/abs_logprob_diff"] > 0  # the samples' rollout log-probs (-1.0) are not the model's
 
 
 def test_micro_batching_does_not_change_the_update(policy_dir):
@@ -110,11 +110,13 @@ def test_a_failing_reward_fn_scores_min_and_is_recorded():
         return float("nan") if metadata.get("nan") else 5.0  # clipped to reward.max
 
     samples = groups([1.0, 0.0])  # responses start with 10 and 11
+    for s in samples:
+        s.reward = float("nan")  # not scored yet
     samples[0].metadata = {"nan": True}
     metrics = score(samples, reward_fn, Tok(), RewardConfig(), group_size=2)
     assert [s.reward for s in samples] == [0.0, 0.0] and metrics["reward/failures"] == 2.0
     assert "RuntimeError: parser exploded" in samples[1].metadata["reward_error"]
-    assert "NaN" in samples[0].metadata["reward_error"]
-    samples[0].metadata = {}
+    assert "not finite (nan)" in samples[0].metadata["reward_error"]
+    samples[0].metadata, samples[0].reward = {}, float("nan")
     score(samples, reward_fn, Tok(), RewardConfig(), group_size=2)
     assert samples[0].reward == 1.0  # 5.0 clipped to [reward.min, reward.max]
