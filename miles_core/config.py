@@ -319,11 +319,32 @@ def _coerce(kind, value, key_path: str):
     return kind(value)
 
 
+def _read_values(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A recipe's values; `extends: other.yaml` (relative to the recipe) is read first and overridden."""
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict) or "extends" not in values:
+        return values
+    base = (path.parent / str(values.pop("extends"))).resolve()
+    if base in seen:
+        raise ConfigError(f"extends: {base} is extended in a cycle")
+    try:
+        return _merge(_read_values(base, (*seen, base)), values)
+    except FileNotFoundError:
+        raise ConfigError(f"extends: recipe file {base} not found") from None
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def load_recipe(path: str | Path, overrides: dict | None = None) -> RunConfig:
     """Read a YAML recipe (overrides of the defaults), checked key by key; errors name the file."""
     path = Path(path)
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        values = _read_values(path.resolve())
         for key, value in (overrides or {}).items():
             _set_dotted(values, key, value)
         cfg = _build(RunConfig, values, "")

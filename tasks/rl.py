@@ -90,7 +90,7 @@ def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: Rol
     plugin(hooks, "hooks", "before_train_step")(trainer, samples, iteration)
     metrics = loop.train(
         trainer, samples, algo, rollout.n_samples, rollout.temperature, pad_id, reference=ref, critic=critic,
-        horizon=rollout.max_new_tokens, train_policy=iteration >= algo.critic_warmup_steps,
+        horizon=rollout.max_new_tokens, train_policy=critic is None or iteration >= algo.critic_warmup_steps,
     )
     plugin(hooks, "hooks", "after_train_step")(trainer, metrics, iteration)
     out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, ckpt.dir.path, batch.batch.path)

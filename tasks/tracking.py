@@ -48,7 +48,8 @@ def log_iteration(run: Tracking, iteration: int, rollout: dict[str, float], scor
     metrics = {**rollout, **score, **train, **evaluation, "time/logged_at": time.time()}
     tracking.log_metrics(run.uri, run.run_id, metrics, step=iteration + 1)
     tracking.log_dict(run.uri, run.run_id, read_manifest(policy.dir.path), f"policies/v{policy.version:04d}.json")
-    line = f"iteration {iteration + 1}: reward {score['reward/mean']:.3f} loss {train['train/loss']:+.4f} policy v{policy.version}"
+    loss = f"loss {train['train/loss']:+.4f}" if "train/loss" in train else f"critic warm-up, value loss {train['critic/loss']:.4f}"
+    line = f"iteration {iteration + 1}: reward {score['reward/mean']:.3f} {loss} policy v{policy.version}"
     if evaluation:
         line += f" | held-out accuracy {evaluation['eval/accuracy']:.3f}"
     print(line, flush=True)
