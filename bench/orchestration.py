@@ -12,15 +12,11 @@ publishing and tracking cost.
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from mlflow.tracking import MlflowClient
-
-REPO = Path(__file__).resolve().parents[1]
+from runner import metric, mlflow_runs, run_workflow
 
 
 def main() -> None:
@@ -30,16 +26,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "runs"
-        cfg = subprocess.run([sys.executable, "-m", "miles_core.config", args.recipe, f"run_root={root}", f"iterations={args.iterations}", "evaluation.interval=1000"],
-                             cwd=REPO, capture_output=True, text=True, check=True).stdout
         started = time.perf_counter()
-        subprocess.run([str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rl.py", "rl", "--cfg", cfg],
-                       cwd=REPO, env={"HOME": tmp, "PATH": "/usr/bin:/bin"}, capture_output=True, check=True)
+        run_workflow(args.recipe, root, tmp, f"iterations={args.iterations}", "evaluation.interval=1000")
         total = time.perf_counter() - started
-        client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
-        (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-        series = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
-                  for k in ("time_logged_at", "time_rollout_s", "time_score_s", "time_train_s")}
+        client, (run,) = mlflow_runs(root)
+        series = {k: metric(client, run, k) for k in ("time_logged_at", "time_rollout_s", "time_score_s", "time_train_s")}
     steps = sorted(series["time_logged_at"])
     walls = [series["time_logged_at"][b] - series["time_logged_at"][a] for a, b in zip(steps, steps[1:])]
     compute = [sum(series[k][b] for k in ("time_rollout_s", "time_score_s", "time_train_s")) for b in steps[1:]]

@@ -11,14 +11,12 @@ same held-out prompts.
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from mlflow.tracking import MlflowClient
+from runner import metric, mlflow_runs, run_workflow
 from transformers import AutoTokenizer
 
 from miles_core import loop
@@ -29,19 +27,6 @@ from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.train.sft import demonstrations, run_sft, sft_train_config
 from miles_core.train.torch_backend import TorchTrainer
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def rl_run(recipe: str, tmp: str):
-    """Run the workflow; return its MLflow run and a client."""
-    root = Path(tmp) / "runs"
-    cfg = subprocess.run([sys.executable, "-m", "miles_core.config", recipe, f"run_root={root}"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    subprocess.run([str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rl.py", "rl", "--cfg", cfg],
-                   cwd=REPO, env={"HOME": tmp, "PATH": "/usr/bin:/bin"}, capture_output=True, check=True)
-    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    return run, client
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -49,9 +34,10 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_recipe(args.recipe)
     with tempfile.TemporaryDirectory() as tmp:
-        run, client = rl_run(args.recipe, tmp)
+        run_workflow(args.recipe, Path(tmp) / "runs", tmp)
+        client, (run,) = mlflow_runs(Path(tmp) / "runs")
         rl_seconds = (run.info.end_time - run.info.start_time) / 1000
-        accuracy = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval_accuracy")}
+        accuracy = metric(client, run, "eval_accuracy")
         start_dir = run.data.tags["parent_policy_dir"]
         data_dir = Path(start_dir).parents[1] / "data"
         train_file, test_file = (next(data_dir.glob(f"*/{split}.jsonl")) for split in ("train", "test"))

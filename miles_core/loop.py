@@ -46,11 +46,12 @@ def rollout(engine: RolloutEngine, source, tokenizer, cfg: RolloutConfig, scorer
     )
     generate_fn, drop_reason = plugin(cfg, "rollout", "generate_fn"), plugin(cfg, "rollout", "dynamic_filter_fn")
     groups, buffer = plugin(cfg, "rollout", "buffer_filter_fn")(buffer, cfg.prompts_per_step)
-    taken, dropped, rounds, round_metrics = len(groups), Counter(), [], []
+    taken, dropped, rounds, round_metrics, generated = len(groups), Counter(), [], [], 0
     while len(groups) < cfg.prompts_per_step and len(rounds) < cfg.max_rounds:
         prompts = source.next_batch(math.ceil((cfg.prompts_per_step - len(groups)) * cfg.over_sample))
         samples, metrics = generate_fn(engine, prompts, tokenizer, dataclasses.replace(params, seed=seed + 7919 * len(rounds)))
         round_metrics.append(metrics)
+        generated += len(samples)
         last_round = [samples[i : i + cfg.n_samples] for i in range(0, len(samples), cfg.n_samples)]
         if cfg.dynamic_sampling:
             scorer(samples)
@@ -59,13 +60,15 @@ def rollout(engine: RolloutEngine, source, tokenizer, cfg: RolloutConfig, scorer
             last_round = [g for g, r in zip(last_round, reasons) if not r]
         groups += last_round
         rounds.append(len(last_round))
-    if not groups:  # every group filtered out up to the cap: train on the last round rather than nothing
-        groups = [samples[i : i + cfg.n_samples] for i in range(0, len(samples), cfg.n_samples)]
+    if not groups:  # every group filtered out up to the cap: train on the last round rather than nothing,
+        # but keep none of its dropped groups for later, where they would bypass the filter
+        groups = [samples[i : i + cfg.n_samples] for i in range(0, len(samples), cfg.n_samples)][: cfg.prompts_per_step]
     batch, buffer = groups[: cfg.prompts_per_step], buffer + groups[cfg.prompts_per_step :]
     metrics = {k: sum(m[k] for m in round_metrics) / len(round_metrics) for k in round_metrics[0]} if round_metrics else {}
     metrics.update({
         "time/rollout_s": sum(m.get("time/rollout_s", 0.0) for m in round_metrics),
         "rollout/rounds": float(len(rounds)),
+        "rollout/generated_samples": float(generated),
         "rollout/buffer_taken_groups": float(taken),
         "rollout/buffer_groups": float(len(buffer)),
         "rollout/batch_groups": float(len(batch)),

@@ -84,3 +84,26 @@ def test_hash_and_flatten_follow_values():
     assert config_hash(a) == config_hash(RunConfig()) != config_hash(b)
     flat = flatten(a)
     assert flat["train.lr"] == a.train.lr and flat["rollout.n_samples"] == a.rollout.n_samples
+
+
+def test_extends_merges_sections_key_by_key(tmp_path):
+    (tmp_path / "base.yaml").write_text("name: base\niterations: 4\ntrain: {lr: 0.01, mini_batches: 3}\n")
+    (tmp_path / "mid.yaml").write_text("extends: base.yaml\ntrain: {lr: 0.02}\n")
+    cfg = load_recipe(write(tmp_path, "extends: mid.yaml\nname: top\n"))
+    assert (cfg.name, cfg.iterations, cfg.train.lr, cfg.train.mini_batches) == ("top", 4, 0.02, 3)
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({"recipe.yaml": "extends: missing.yaml\n"}, "missing.yaml not found"),
+        ({"recipe.yaml": "extends: a.yaml\n", "a.yaml": "extends: recipe.yaml\n"}, "extended in a cycle"),
+        ({"recipe.yaml": "extends: a.yaml\n", "a.yaml": "train: {lrr: 1}\n"}, "train.lrr: unknown key"),
+    ],
+)
+def test_bad_extends_names_the_file(tmp_path, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_recipe(tmp_path / "recipe.yaml")
+    assert str(tmp_path / "recipe.yaml") in str(err.value) and expected in str(err.value)

@@ -1,0 +1,31 @@
+"""Runs the RL workflow for a benchmark, as a user would (`pyflyte run`), and reads its MLflow runs."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_workflow(recipe: str, root: Path, home: str, *overrides: str) -> None:
+    """One local execution of workflows/rl.py with `recipe` (plus key=value overrides) under `root`;
+    `home` holds its Flyte cache, so benchmarks sharing a home share cached stages."""
+    cfg = subprocess.run([sys.executable, "-m", "miles_core.config", recipe, f"run_root={root}", *overrides],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rl.py", "rl", "--cfg", cfg],
+                         cwd=REPO, env={"HOME": home, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{recipe}: workflow failed\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+
+
+def mlflow_runs(root: Path) -> tuple[MlflowClient, list]:
+    """The client of the run root's MLflow store and every run in it."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    return client, client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def metric(client: MlflowClient, run, key: str) -> dict[int, float]:
+    """{step: value} of one metric of a run."""
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
