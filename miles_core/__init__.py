@@ -1,3 +1,3 @@
 """miles-flyte core: RL post-training building blocks (no Flyte imports here)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
