@@ -29,7 +29,7 @@ from miles_core.algos.corrections import importance_weights, mismatch_metrics
 from miles_core.algos.filters import keep_all, nonzero_reward_std, oldest_first
 from miles_core.algos.kl import kl_penalty
 from miles_core.algos.losses import cispo_loss, gspo_loss, loss_weights, ppo_clip_loss, value_loss
-from miles_core.algos.objective import compute_advantages, policy_loss
+from miles_core.algos.objective import compute_advantages, policy_loss, sft_loss
 from miles_core.config import AlgoConfig
 from miles_core.samples import Sample
 
@@ -722,3 +722,15 @@ def test_policy_loss_dispatches_to_each_loss():
         close(metrics["clip_fraction"], expected_clipped, atol=0)
         weights = torch.rand(3, 4, generator=gen)
         close(policy_loss(algo, logprobs, entropy, mask, {**extras, "is_weights": weights})[0], expected_loss * weights, atol=1e-7)
+
+
+def test_sft_loss_is_cross_entropy_on_the_loss_masked_tokens():
+    # log-probs [[ln .5, ln .25], [ln 1, ln .1]], the last token masked (a tool's output, padding):
+    #   per-token loss -log p = [[ln 2, 2 ln 2], [0, ln 10]]; token-mean weights 1/3 on the 3 kept
+    #   tokens -> (ln 2 + 2 ln 2 + 0) / 3 = ln 2; the masked ln 10 contributes nothing
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.25)], [0.0, math.log(0.1)]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, metrics = sft_loss(logprobs, torch.zeros_like(logprobs), mask, {})
+    close(loss, [[LN2, 2 * LN2], [0.0, math.log(10.0)]])
+    assert metrics == {}
+    close((loss * loss_weights(mask, "token-mean")).sum(), LN2)
