@@ -161,11 +161,13 @@ def test_pause_abort_and_update_during_generation(engine, policies):
     assert not held.is_alive() and answer["generated"][0][0].weight_version == 0
 
     long_params = SamplingParams(n=2, temperature=0.0, max_new_tokens=200, stop_token_ids=(EOS,))
+    resubmitted = engine.resubmitted_sequences
     running = threading.Thread(target=lambda: answer.update(across=engine.generate(PROMPTS, long_params)))
     running.start()
     time.sleep(2)
     engine.load_weights(policies[1], 1)
     running.join(timeout=300)
+    assert engine.resubmitted_sequences > resubmitted, "the update did not meet a running generation"
     expected = {v: greedy_tokens(TorchEngine(policies[v], v).generate(PROMPTS, long_params)) for v in (0, 1)}
     for p, gens in enumerate(answer["across"]):
         for g in gens:

@@ -51,6 +51,7 @@ class SGLangEngine:
         self._sender: sync.WeightSender | None = None
         self._lock = threading.Lock()  # one restart or weight update at a time
         self._in_flight: dict[int, int] = {}
+        self.resubmitted_sequences = 0  # aborted by a weight update (or split across two versions) and generated again
         urls = [u.strip() for u in cfg.urls.split(",") if u.strip()]
         with ThreadPoolExecutor(max(len(urls), cfg.num_servers)) as pool:  # servers start in parallel
             if urls:
@@ -80,6 +81,7 @@ class SGLangEngine:
             if not retry:
                 return [[results[(p, i)] for i in range(params.n)] for p in range(len(prompts))]
             log.info("resubmitting %d sequences aborted or split by a weight update", len(retry))
+            self.resubmitted_sequences += len(retry)
             pending = retry
         raise SGLangError(f"{len(pending)} sequences were aborted by {MAX_RESUBMITS + 1} weight updates in a row")
 
