@@ -8,7 +8,7 @@ UI_PORT ?= 5000
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test test-fast ui bench clean
+.PHONY: setup run test test-fast ui bench clean sglang-env
 
 setup: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 run: setup
 	cfg="$$($(PY) -m miles_core.config $(RECIPE))" && $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
 
-test: setup
+test: setup sglang-env
 	$(PY) -m pytest -q
 
 test-fast: setup
@@ -42,3 +42,27 @@ bench: setup
 clean:
 	rm -rf runs
 	test ! -x $(VENV)/bin/pyflyte || $(VENV)/bin/pyflyte local-cache clear
+
+# SGLang runs in its own environment outside the clone, keyed by its version, as in its own image
+# on a cluster: its CUDA build of torch 2.14.1 stays there (~11 GB, ~6 minutes, once per machine),
+# and the project's .venv never imports sglang. The CPU stand-ins of containers/sglang are copied
+# into it (again whenever they change); a missing environment is rebuilt.
+SGLANG_VERSION := 0.5.23
+SGLANG_ENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/miles-flyte/sglang-$(SGLANG_VERSION)
+SGLANG_PY := $(SGLANG_ENV)/bin/python
+SGLANG_STANDINS := $(wildcard containers/sglang/cpu_standins/*.py containers/sglang/cpu_standins/*/*.py)
+export MILES_SGLANG_ENV := $(SGLANG_ENV)
+
+sglang-env: $(SGLANG_ENV)/.standins-installed
+
+$(SGLANG_ENV)/.sglang-installed:
+	test -x $(SGLANG_PY) || $(PYTHON_BASE) -m venv $(SGLANG_ENV)
+	$(SGLANG_PY) -m pip install --quiet sglang==$(SGLANG_VERSION)
+	touch $@
+
+$(SGLANG_ENV)/.standins-installed: $(SGLANG_ENV)/.sglang-installed $(SGLANG_STANDINS)
+	site="$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" && \
+		rm -rf "$$site/miles_sglang_cpu" && mkdir -p "$$site/miles_sglang_cpu" && \
+		cp -r containers/sglang/cpu_standins/sgl_kernel "$$site/miles_sglang_cpu/" && \
+		cp containers/sglang/cpu_standins/sitecustomize.py "$$site/sitecustomize.py"
+	touch $@

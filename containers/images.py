@@ -7,6 +7,8 @@ pyproject.toml; the CPU build of torch comes from PyTorch's CPU wheel index.
 
 from flytekit import ImageSpec
 
+from miles_core.rollout.engines.sglang_server import SGLANG_VERSION
+
 CPU_PACKAGES = [
     "torch==2.13.0",
     "flytekit>=1.16,<1.17",
@@ -24,6 +26,7 @@ CPU_PACKAGES = [
     "pyyaml>=6",
     "tqdm>=4.66",
     "matplotlib>=3.9",
+    "requests>=2.31",
 ]
 
 cpu_image = ImageSpec(
@@ -31,5 +34,17 @@ cpu_image = ImageSpec(
     python_version="3.11",
     packages=CPU_PACKAGES,
     pip_extra_index_url=["https://download.pytorch.org/whl/cpu"],
+    registry="ghcr.io/miles-flyte",
+)
+
+# The rollout servers' image on GPU nodes: SGLang with its own CUDA torch stack, as pinned by the
+# SGLang release (it cannot share an environment with the CPU torch above). Rollout tasks reach
+# these servers by URL (rollout.sglang.urls). The CPU stand-ins of containers/sglang/ are for
+# CPU-only machines and are not installed here.
+sglang_image = ImageSpec(
+    name="miles-flyte-sglang",
+    python_version="3.11",
+    packages=[f"sglang=={SGLANG_VERSION}"],
+    cuda="12.8",
     registry="ghcr.io/miles-flyte",
 )

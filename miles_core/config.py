@@ -91,6 +91,49 @@ class SFTConfig:
         _check(self.lr > 0, "sft.lr", "must be > 0")
 
 
+WEIGHT_SYNC_MODES = ("disk", "distributed")
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """SGLang rollout servers (rollout.engine: sglang); see miles_core/rollout/engines/sglang.py."""
+
+    urls: str = ""  # comma-separated http://host:port of running servers to attach to; empty = launch
+    num_servers: int = 1  # servers launched on 127.0.0.1 when urls is empty
+    python: str = ""  # the SGLang environment's python; empty = $MILES_SGLANG_ENV or the `make sglang-env` cache path
+    device: str = "cpu"  # cpu (SGLANG_USE_CPU_ENGINE=1 + the CPU stand-ins) | cuda
+    max_total_tokens: int = 65536  # KV cache size in tokens (the CPU default would reserve 13 GB)
+    dtype: str = "float32"
+    extra_args: str = ""  # further launch_server arguments, space-separated
+    startup_timeout_s: float = 300.0  # launch until /health answers
+    request_timeout_s: float = 300.0  # any single HTTP call
+    max_concurrency: int = 4  # /generate calls in flight per server
+    max_batch_sequences: int = 64  # sequences per /generate call
+    max_restarts: int = 2  # restarts of a dead launched server per engine before giving up
+    weight_sync: str = "disk"  # disk: update_weights_from_disk | distributed: broadcast over a process group
+    sync_backend: str = "gloo"  # process-group backend of distributed sync (nccl on GPUs)
+    bucket_mb: float = 64.0  # distributed sync: flattened bucket size per broadcast
+    pause_mode: str = "abort"  # how in-flight requests are paused for an update (aborted ones are resubmitted)
+
+    def __post_init__(self):
+        _check(self.num_servers >= 1, "rollout.sglang.num_servers", "must be >= 1")
+        _check(self.device in ("cpu", "cuda"), "rollout.sglang.device", f"must be cpu or cuda, got {self.device!r}")
+        _check(self.max_total_tokens > 0, "rollout.sglang.max_total_tokens", "must be > 0")
+        for name in ("startup_timeout_s", "request_timeout_s", "bucket_mb"):
+            _check(getattr(self, name) > 0, f"rollout.sglang.{name}", "must be > 0")
+        _check(self.max_concurrency >= 1 and self.max_batch_sequences >= 1, "rollout.sglang.max_concurrency", "max_concurrency and max_batch_sequences must be >= 1")
+        _check(self.max_restarts >= 0, "rollout.sglang.max_restarts", "must be >= 0")
+        _check(self.weight_sync in WEIGHT_SYNC_MODES, "rollout.sglang.weight_sync", f"must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {self.weight_sync!r}")
+        _check(self.sync_backend in ("gloo", "nccl"), "rollout.sglang.sync_backend", f"must be gloo or nccl, got {self.sync_backend!r}")
+        _check(self.pause_mode in PAUSE_MODES, "rollout.sglang.pause_mode", f"must be one of {', '.join(PAUSE_MODES)}, got {self.pause_mode!r}")
+        bad = [u for u in self.urls.split(",") if u.strip() and not u.strip().startswith(("http://", "https://"))]
+        _check(not bad, "rollout.sglang.urls", f"not an http(s) URL: {bad[0] if bad else ''!r}")
+
+
+ENGINES = ("torch", "sglang")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "torch"
@@ -111,9 +154,10 @@ class RolloutConfig:
     rollout_fn: str = "miles_core.loop:rollout"  # plug-point: rollout(engine, source, tokenizer, cfg, scorer, buffer, seed)
     dynamic_filter_fn: str = "miles_core.algos.filters:nonzero_reward_std"  # plug-point: filter(group)
     buffer_filter_fn: str = "miles_core.algos.filters:oldest_first"  # plug-point: take(buffer, n)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)  # used when engine is sglang
 
     def __post_init__(self):
-        _check(self.engine == "torch", "rollout.engine", f"unknown engine {self.engine!r} (available: torch)")
+        _check(self.engine in ENGINES, "rollout.engine", f"unknown engine {self.engine!r} (available: {', '.join(ENGINES)})")
         _check(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be > 0")
         _check(self.n_samples > 0, "rollout.n_samples", "must be > 0")
         _check(self.temperature > 0, "rollout.temperature", "must be > 0")

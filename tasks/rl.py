@@ -20,7 +20,7 @@ from miles_core import loop
 from miles_core.config import AlgoConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, load_prompts
 from miles_core.plugins import plugin
-from miles_core.rollout.engines.torch_engine import TorchEngine
+from miles_core.rollout.engines import make_engine, weight_update_metrics
 from miles_core.schemas import read_batch, write_batch
 from miles_core.storage import artifact_path, atomic_dir
 from miles_core.train.torch_backend import TorchCritic, TorchTrainer
@@ -59,9 +59,11 @@ def rollout(cfg: RolloutConfig, data: DataConfig, reward: RewardConfig, policy: 
     tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)
     waiting = read_batch(buffer.path, scored=True) if buffer is not None else []
     groups = [waiting[i : i + cfg.n_samples] for i in range(0, len(waiting), cfg.n_samples)]
+    engine = make_engine(cfg, policy.dir.path, policy.version)
     samples, left, metrics = plugin(cfg, "rollout", "rollout_fn")(
-        TorchEngine(policy.dir.path, policy.version), source, tokenizer, cfg, _scorer(reward, tokenizer, cfg.n_samples), groups, cfg.seed * 1_000_003 + iteration,
+        engine, source, tokenizer, cfg, _scorer(reward, tokenizer, cfg.n_samples), groups, cfg.seed * 1_000_003 + iteration,
     )
+    metrics.update(weight_update_metrics(engine))
     out = artifact_path(root, "rollout", iteration, cfg, reward, policy.dir.path, state, buffer.path if buffer else "", suffix=".parquet")
     write_batch(samples, out)
     left_file = write_batch([s for g in left for s in g], out.with_suffix(".buffer.parquet"), scored=True) if left else None
@@ -115,7 +117,7 @@ def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent
 @task(cache=True, cache_version=cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig), container_image=cpu_image)
 def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: RolloutConfig, policy: Policy, dataset: Dataset) -> dict[str, float]:
     """Held-out evaluation of a policy version (evaluation.fn, greedy accuracy by default)."""
-    engine = TorchEngine(policy.dir.path, policy.version, max_batch_sequences=cfg.batch_size)
+    engine = make_engine(rollout, policy.dir.path, policy.version, max_batch_sequences=cfg.batch_size)
     tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)
     metrics = plugin(cfg, "evaluation", "fn")(
         engine, _prompts(dataset.test, data), tokenizer, plugin(reward, "reward", "fn"), reward, cfg, generate_fn=plugin(rollout, "rollout", "generate_fn"),

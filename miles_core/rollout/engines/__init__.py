@@ -1,0 +1,29 @@
+"""Rollout engines behind the RolloutEngine protocol, chosen by `rollout.engine`.
+
+torch: the embedded engine, built per call (it loads the weights directory in this process).
+sglang: SGLang servers over HTTP, started once per process and configuration and reused by every
+later call (in a local Flyte run all tasks share one process); each call publishes the requested
+policy version into them.
+"""
+
+from __future__ import annotations
+
+from miles_core.config import RolloutConfig
+from miles_core.rollout.base import RolloutEngine
+
+
+def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, max_batch_sequences: int | None = None) -> RolloutEngine:
+    """An engine serving `policy_dir` as `version`; max_batch_sequences bounds a decode batch."""
+    if cfg.engine == "sglang":
+        # imported only for this engine: it brings the HTTP client and the server launcher
+        from miles_core.rollout.engines.sglang import shared_engine
+
+        return shared_engine(cfg.sglang, policy_dir, version)
+    from miles_core.rollout.engines.torch_engine import TorchEngine
+
+    return TorchEngine(policy_dir, version, **({"max_batch_sequences": max_batch_sequences} if max_batch_sequences else {}))
+
+
+def weight_update_metrics(engine: RolloutEngine) -> dict[str, float]:
+    """The last weight update's metrics (rollout/weight_update_s) of engines that publish into servers."""
+    return dict(getattr(engine, "last_update_metrics", {}))

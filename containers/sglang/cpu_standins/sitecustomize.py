@@ -1,0 +1,42 @@
+"""Activates the CPU stand-ins in the SGLang environment (installed there only, never in the project's).
+
+Runs at interpreter start-up of every process of that environment (server, scheduler,
+detokenizer). Only when SGLANG_USE_CPU_ENGINE=1 (and MILES_SGLANG_CPU_STANDINS is not "0", which
+tests use to show the stand-ins are still needed) it
+* puts the pure-torch `sgl_kernel` stand-in ahead of the CUDA-only wheel on sys.path, and
+* makes `torch.get_device_module()` (no argument) answer `torch.cpu` when no GPU is usable:
+  the CUDA build of torch otherwise returns `torch.cuda`, and SGLang's weight updater calls
+  `.synchronize()` on it, which fails without a driver.
+Pinned to one SGLang version: another version stops with a message instead of half-working.
+"""
+
+import os
+import sys
+
+PINNED_SGLANG = "0.5.23"
+
+
+def _activate() -> None:
+    from importlib.metadata import version
+
+    found = version("sglang")
+    if found != PINNED_SGLANG:
+        raise RuntimeError(
+            f"the CPU stand-ins in {os.path.dirname(__file__)} are made for sglang {PINNED_SGLANG}, "
+            f"this environment has {found}: rebuild it with `make sglang-env`"
+        )
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "miles_sglang_cpu"))
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    by_device = torch.get_device_module
+
+    def get_device_module(device=None):
+        return torch.cpu if device is None else by_device(device)
+
+    torch.get_device_module = get_device_module
+
+
+if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and os.environ.get("MILES_SGLANG_CPU_STANDINS", "1") != "0":
+    _activate()

@@ -1,0 +1,278 @@
+"""SGLang rollout engine: the RolloutEngine contract over one or more SGLang servers' HTTP API.
+
+Generation: each sequence (prompt x n) is one entry of a batched `/generate` call with
+`input_ids` and `return_logprob`; calls of at most max_batch_sequences sequences run concurrently
+(max_concurrency per server), each sent to the healthy server with the fewest calls in flight.
+SGLang reports log-probs under softmax(logits / temperature) before top-k/top-p (softmax(logits)
+when greedy), as the contract asks; the response's tokens are `output_ids` including the stop
+token. A response carries the server's weight version; one aborted by a weight update, or
+produced across two versions, is generated again, so each response comes from one version.
+
+Departures from the embedded engine: the model's own EOS id (config.json) also ends generation,
+whether or not it is in stop_token_ids (SGLang's `ignore_eos` would disable stop_token_ids too);
+the seed reaches SGLang as `sampling_seed`, which it honours only with
+`--enable-deterministic-inference` (rollout.sglang.extra_args), so sampled output is otherwise
+not reproducible run to run.
+
+Weights: `load_weights(dir, version)` publishes a version into every server, from disk
+(`update_weights_from_disk`) or, with weight_sync "distributed", by broadcasting the directory's
+tensors from this process over a process group (miles_core/weights/sync.py);
+`update_weights_from_tensors` broadcasts a trainer's in-memory tensors the same way. Each
+update runs pause -> begin -> update -> end -> flush -> continue; its duration is
+`last_update_metrics` (rollout/weight_update_s and the version it published).
+A launched server that dies is restarted (at most max_restarts times) with the last published
+directory and the failed call is sent again; every HTTP call has a timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from miles_core.config import SGLangConfig, config_hash
+from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from miles_core.rollout.engines.sglang_server import SGLangError, SGLangServer, ServerUnreachable, free_port
+from miles_core.weights import sync
+
+log = logging.getLogger(__name__)
+MAX_RESUBMITS = 4  # a sequence aborted by this many consecutive weight updates is an error
+
+
+class SGLangEngine:
+    def __init__(self, cfg: SGLangConfig, policy_dir: str, version: int = 0):
+        self.cfg = cfg
+        self.policy_dir, self.weight_version = policy_dir, version
+        self.last_update_metrics: dict[str, float] = {}
+        self._sender: sync.WeightSender | None = None
+        self._lock = threading.Lock()  # one restart or weight update at a time
+        self._in_flight: dict[int, int] = {}
+        self.resubmitted_sequences = 0  # aborted by a weight update (or split across two versions) and generated again
+        urls = [u.strip() for u in cfg.urls.split(",") if u.strip()]
+        with ThreadPoolExecutor(max(len(urls), cfg.num_servers)) as pool:  # servers start in parallel
+            if urls:
+                self.servers = list(pool.map(lambda u: SGLangServer.attach(u, cfg), urls))
+            else:
+                self.servers = list(pool.map(lambda _: SGLangServer.launch(cfg, policy_dir, version), range(cfg.num_servers)))
+        if urls:  # attached servers hold whatever they hold: publish the requested version
+            self.weight_version = None
+            self.load_weights(policy_dir, version)
+        self._pool = ThreadPoolExecutor(cfg.max_concurrency * len(self.servers))
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+        sequences = [(p, i) for p in range(len(prompts)) for i in range(params.n)]
+        results: dict[tuple[int, int], Generation] = {}
+        pending = sequences
+        for _ in range(MAX_RESUBMITS + 1):
+            chunks = [pending[s : s + self.cfg.max_batch_sequences] for s in range(0, len(pending), self.cfg.max_batch_sequences)]
+            retry: list[tuple[int, int]] = []
+            for chunk, outputs in zip(chunks, self._pool.map(lambda c: self._generate_chunk(c, prompts, params), chunks)):
+                for key, out in zip(chunk, outputs):
+                    (results.__setitem__(key, out) if out is not None else retry.append(key))
+            if not retry:
+                return [[results[(p, i)] for i in range(params.n)] for p in range(len(prompts))]
+            log.info("resubmitting %d sequences aborted or split by a weight update", len(retry))
+            self.resubmitted_sequences += len(retry)
+            pending = retry
+        raise SGLangError(f"{len(pending)} sequences were aborted by {MAX_RESUBMITS + 1} weight updates in a row")
+
+    def _generate_chunk(self, chunk: list[tuple[int, int]], prompts: list[list[int]], params: SamplingParams) -> list[Generation | None]:
+        payload = {
+            "input_ids": [prompts[p] for p, _ in chunk],
+            "sampling_params": [_sampling_params(params, p * params.n + i) for p, i in chunk],
+            "return_logprob": True,
+        }
+        answers = self._call_any("/generate", payload)
+        return [self._to_generation(answer) for answer in answers]
+
+    def _to_generation(self, answer: dict) -> Generation | None:
+        """One /generate answer -> Generation, or None when it must be generated again."""
+        meta = answer["meta_info"]
+        finish = (meta.get("finish_reason") or {}).get("type")
+        if finish == "abort" or len(meta.get("weight_versions") or [None]) > 1:
+            return None
+        tokens = [int(t) for t in answer["output_ids"]]
+        logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
+        if len(logprobs) != len(tokens):
+            raise SGLangError(f"/generate returned {len(tokens)} tokens but {len(logprobs)} log-probs")
+        return Generation(tokens, logprobs, FINISH_STOP if finish == "stop" else FINISH_LENGTH, _version(meta, self.weight_version))
+
+    def _call_any(self, path: str, payload: dict):
+        """POST to the least busy live server; a dead launched server is restarted and the call sent again."""
+        for _ in range(len(self.servers) + self.cfg.max_restarts + 1):
+            server = self._pick()
+            try:
+                return server.post(path, payload)
+            except ServerUnreachable as err:
+                self._recover(server, err)
+            finally:
+                self._in_flight[id(server)] -= 1
+        raise SGLangError(f"{path}: no SGLang server answered after {self.cfg.max_restarts} restarts")
+
+    def _pick(self) -> SGLangServer:
+        with self._lock:
+            server = min(self.servers, key=lambda s: self._in_flight.get(id(s), 0))
+            self._in_flight[id(server)] = self._in_flight.get(id(server), 0) + 1
+            return server
+
+    def _recover(self, server: SGLangServer, err: SGLangError) -> None:
+        with self._lock:
+            if server.alive():
+                return  # another thread restarted it already
+            log.warning("%s; restarting", err)
+            if not server.launched or server.restarts >= self.cfg.max_restarts:
+                raise SGLangError(f"{err}; {'attached servers are not restarted' if not server.launched else f'gave up after {server.restarts} restarts'}") from None
+            server.restart(self.policy_dir, self.weight_version)
+            self._close_sender()  # the group lost a member: the next distributed update builds a new one
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def load_weights(self, policy_dir: str, version: int) -> None:
+        """Publish an HF weight directory into every server as `version` (no-op if already served)."""
+        if (policy_dir, version) == (self.policy_dir, self.weight_version):
+            return
+        if not (Path(policy_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"policy_dir {policy_dir!r} has no config.json: not an HF weight directory")
+        if self.cfg.weight_sync == "disk":
+            payload = {"model_path": str(policy_dir), "weight_version": str(version), "flush_cache": False}
+            self._update(lambda: self._on_all("/update_weights_from_disk", payload), "disk", version)
+        else:
+            self._update(lambda: self._broadcast(_read_tensors(policy_dir), version), "distributed", version)
+        self.policy_dir, self.weight_version = policy_dir, version
+
+    def update_weights_from_tensors(self, named_tensors, version: int) -> None:
+        """Broadcast in-memory HF-named tensors (e.g. a trainer's state_dict) as `version`."""
+        self._update(lambda: self._broadcast(named_tensors, version), "distributed", version)
+        self.weight_version = version
+
+    def _update(self, apply, how: str, version: int) -> None:
+        started = time.perf_counter()
+        with self._lock:
+            self._on_all("/pause_generation", {"mode": self.cfg.pause_mode})
+            try:
+                self._on_all("/begin_weight_update", {})
+                apply()
+                self._on_all("/end_weight_update", {})
+                self._on_all("/flush_cache", {})
+            finally:
+                self._on_all("/continue_generation", {})
+        seconds = time.perf_counter() - started
+        self.last_update_metrics = {"rollout/weight_update_s": seconds, "rollout/weight_update_version": float(version)}
+        log.info("weights published into %d SGLang server(s) from %s in %.2fs", len(self.servers), how, seconds)
+
+    def _on_all(self, path: str, payload: dict) -> list:
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            return list(pool.map(lambda s: s.post(path, payload), self.servers))
+
+    def _broadcast(self, named_tensors, version: int) -> None:
+        sender = self._sender or self._open_sender()
+        bucket_bytes = int(self.cfg.bucket_mb * 2**20)
+        for bucket in sync.iter_buckets(named_tensors, bucket_bytes):
+            payload = {
+                "names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes, "group_name": sender.group_name,
+                "load_format": "flattened_bucket", "flush_cache": False, "weight_version": str(version),
+            }
+            with ThreadPoolExecutor(len(self.servers)) as pool:  # servers wait in the broadcast we send
+                answers = [pool.submit(s.post, "/update_weights_from_distributed", payload) for s in self.servers]
+                sender.send(bucket)
+                for answer in answers:
+                    answer.result()
+
+    def _open_sender(self) -> sync.WeightSender:
+        port, group_name = free_port(), f"miles-{uuid.uuid4().hex[:8]}"
+        world = len(self.servers) + 1  # rank 0 here, one rank per server (tensor parallel size 1)
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            joins = [
+                pool.submit(s.post, "/init_weights_update_group", {
+                    "master_address": "127.0.0.1", "master_port": port, "rank_offset": rank, "world_size": world,
+                    "group_name": group_name, "backend": self.cfg.sync_backend,
+                })
+                for rank, s in enumerate(self.servers, start=1)
+            ]
+            self._sender = sync.WeightSender.open("127.0.0.1", port, world, group_name, self.cfg.sync_backend, self.cfg.request_timeout_s)
+            for join in joins:
+                join.result()
+        return self._sender
+
+    def _close_sender(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+
+    # ---- control ----------------------------------------------------------------------------
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop generating: abort (in-flight requests return, finish "abort"), retract or in_place."""
+        self._on_all("/pause_generation", {"mode": mode})
+
+    def resume(self) -> None:
+        self._on_all("/continue_generation", {})
+
+    def abort_all(self) -> None:
+        self._on_all("/abort_request", {"abort_all": True})
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._close_sender()
+        for server in self.servers:
+            server.stop()
+
+
+def _sampling_params(params: SamplingParams, sequence: int) -> dict:
+    return {
+        "temperature": params.temperature,  # 0 = greedy in SGLang too
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "max_new_tokens": params.max_new_tokens,
+        "stop_token_ids": list(params.stop_token_ids),
+        "sampling_seed": params.seed * 1_000_003 + sequence,
+    }
+
+
+def _version(meta: dict, fallback: int | None) -> int:
+    try:
+        return int(meta["weight_version"])
+    except (KeyError, TypeError, ValueError):
+        return fallback if fallback is not None else -1
+
+
+def _read_tensors(policy_dir: str):
+    # safetensors is the format every published policy directory holds
+    from safetensors import safe_open
+
+    for file in sorted(Path(policy_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ---- one set of servers per configuration in this process (local Flyte runs every task here) ----
+
+_SHARED: dict[str, SGLangEngine] = {}
+
+
+def shared_engine(cfg: SGLangConfig, policy_dir: str, version: int) -> SGLangEngine:
+    """The engine of this process for `cfg`, started on first use, serving `version` on return."""
+    key = config_hash(cfg)
+    engine = _SHARED.get(key)
+    if engine is None:
+        engine = _SHARED[key] = SGLangEngine(cfg, policy_dir, version)
+    else:
+        engine.load_weights(policy_dir, version)
+    return engine
+
+
+@atexit.register
+def close_shared_engines() -> None:
+    while _SHARED:
+        _SHARED.popitem()[1].close()
+
