@@ -24,6 +24,7 @@ CPU_PACKAGES = [
     "pyyaml>=6",
     "tqdm>=4.66",
     "matplotlib>=3.9",
+    "math-verify>=0.9,<0.10",
 ]
 
 cpu_image = ImageSpec(
@@ -32,4 +33,5 @@ cpu_image = ImageSpec(
     packages=CPU_PACKAGES,
     pip_extra_index_url=["https://download.pytorch.org/whl/cpu"],
     registry="ghcr.io/miles-flyte",
+    apt_packages=["bubblewrap"],  # the code sandbox (miles_core/tools/sandbox.py)
 )
