@@ -136,7 +136,7 @@ def tool_demonstration(a: int, b: int) -> list[dict]:
     """A conversation solving a*b with the python tool: the call, the tool's output, the answer."""
     product = str(a * b)
     return [
-        {"role": "assistant", "content": f"<tool>python\nprint({a}*{b})\n</tool>"},
+        {"role": "assistant", "content": f"<tool>python\n{a}*{b}\n</tool>"},
         {"role": "tool", "content": product},
         {"role": "assistant", "content": product},
     ]

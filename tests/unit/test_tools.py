@@ -40,6 +40,8 @@ def test_tools_report_failures_as_output():
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing: make setup installs it")
 def test_python_tool_prints_and_reports_errors():
     assert TOOLS["python"]("print(347*829)", SandboxLimits()) == ("287663\n", True)
+    assert TOOLS["python"]("x = 347\nx * 829", SandboxLimits()) == ("287663\n", True)  # a final expression is shown
+    assert TOOLS["python"]("None", SandboxLimits()) == ("", True)
     output, ok = TOOLS["python"]("1/0", SandboxLimits())
     assert not ok and "ZeroDivisionError" in output
 
@@ -65,6 +67,6 @@ def test_sft_masks_the_tool_turn_of_a_demonstration():
     [tool_demo, direct] = demonstrations([Prompt("p", "12*34=", "408", {"demonstrations": [conversation, "408"]})], tokenizer)
     trained = tokenizer.decode([t for t, m in zip(tool_demo.response_tokens, tool_demo.loss_mask) if m])
     masked = tokenizer.decode([t for t, m in zip(tool_demo.response_tokens, tool_demo.loss_mask) if not m])
-    assert trained == "<tool>python\nprint(12*34)\n</tool><|im_end|>408<|im_end|>"
+    assert trained == "<tool>python\n12*34\n</tool><|im_end|>408<|im_end|>"
     assert masked == "\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
     assert direct.loss_mask == [1] * len(direct.response_tokens)
