@@ -14,7 +14,7 @@ Containment, layer by layer (each one tested by tests/unit/test_sandbox.py's hos
 * the code runs as the unprivileged user `nobody` (uid 65534) with no capabilities and
   no_new_privs (`setpriv`), so it cannot signal the host's processes, read root-only files or
   regain privileges.
-* **rlimits** (set before exec, inherited by everything it forks): RLIMIT_CPU (CPU seconds per
+* **rlimits** (set by `prlimit` before bwrap starts, inherited by everything it forks): RLIMIT_CPU (CPU seconds per
   process), RLIMIT_AS (address space), RLIMIT_NPROC (processes of the sandbox user: a fork bomb
   stops there), RLIMIT_FSIZE (largest file), RLIMIT_NOFILE, RLIMIT_CORE = 0.
 * the host side holds a **wall-clock** deadline and an **output** cap (stdout + stderr); past
@@ -30,7 +30,6 @@ user's processes, so it is raised by their current count). A missing `bwrap` or 
 from __future__ import annotations
 
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -127,18 +126,17 @@ def _uid_of(pid: str) -> int | None:
         return None
 
 
-def _rlimits(limits: SandboxLimits, nproc: int):
-    """The preexec function setting the limits in the child before bwrap starts."""
-    pairs = {
-        resource.RLIMIT_CPU: limits.cpu_s, resource.RLIMIT_AS: limits.memory_mb << 20, resource.RLIMIT_NPROC: nproc,
-        resource.RLIMIT_FSIZE: limits.max_file_mb << 20, resource.RLIMIT_NOFILE: limits.max_open_files, resource.RLIMIT_CORE: 0,
+def _rlimits(limits: SandboxLimits, nproc: int) -> list[str]:
+    """`prlimit` setting the limits before bwrap starts (an exec'd command rather than a
+    preexec_fn, which is unsafe in a process with threads, such as a rollout's tool workers)."""
+    prlimit = shutil.which("prlimit")
+    if prlimit is None:
+        raise SandboxUnavailable("util-linux's `prlimit` is not on PATH: `apt-get install util-linux`")
+    values = {
+        "cpu": limits.cpu_s, "as": limits.memory_mb << 20, "nproc": nproc,
+        "fsize": limits.max_file_mb << 20, "nofile": limits.max_open_files, "core": 0,
     }
-
-    def apply() -> None:
-        for kind, value in pairs.items():
-            resource.setrlimit(kind, (value, value))
-
-    return apply
+    return [prlimit, *(f"--{name}={value}:{value}" for name, value in values.items()), "--"]
 
 
 def _collect(proc: subprocess.Popen, limits: SandboxLimits, started: float) -> tuple[bytes, bytes, str | None]:
@@ -196,10 +194,10 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
             f.write(code)
         os.chmod(tmp, 0o755)
         os.chmod(code_file, 0o644)
-        cmd = _command(limits, code_file)
         nproc = limits.max_processes + (0 if os.geteuid() == 0 else _own_processes())
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=_rlimits(limits, nproc))
+        sandbox = _command(limits, code_file)  # checks bwrap first: the dependency users must install
+        cmd = _rlimits(limits, nproc) + sandbox
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         try:
             out, err, killed = _collect(proc, limits, started)
         finally:

@@ -9,11 +9,12 @@ and calculator) and the tokenizer are real. `test_real_engine_*` runs the real t
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from miles_core.config import ModelConfig, MultiTurnConfig, RolloutConfig
+from miles_core.config import ModelConfig, MultiTurnConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import Prompt
 from miles_core.models.tiny import build_tiny_model, build_tokenizer, encode_prompt
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
@@ -21,8 +22,8 @@ from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.rollout.multi_turn import conversation_tokens, generate, parse_tool_call, tool_turn_tokens
 from miles_core.train.base import pack
 from miles_core.train.torch_backend import TorchTrainer
-from miles_core.config import TrainConfig
 
+SMOKE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_tool_smoke.yaml"
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing: make setup installs it")
 
 
@@ -147,3 +148,24 @@ def test_real_engine_logprobs_match_the_trainer_on_model_tokens(tmp_path, tokeni
     recomputed = TorchTrainer.from_hf(policy, TrainConfig()).logprobs(batch, 1.0)
     assert torch.allclose(recomputed * batch.loss_mask, batch.rollout_logprobs * batch.loss_mask, atol=1e-4)
     assert all(s.prompt_tokens == encode_prompt(tokenizer, "12*34=") for s in samples)
+
+
+def test_fits_the_generate_plugpoint_and_gets_its_settings():
+    from miles_core import loop
+    from miles_core.config import load_recipe
+    from miles_core.plugins import PLUGPOINTS, load_function
+
+    load_function("miles_core.rollout.multi_turn:generate", "rollout.generate_fn", PLUGPOINTS["rollout.generate_fn"])
+    cfg = load_recipe(SMOKE)
+    bound = loop.generate_fn_of(cfg.rollout)
+    assert bound.keywords == {"rollout_cfg": cfg.rollout} and cfg.rollout.multi_turn.tools == "python"
+    assert loop.generate_fn_of(RolloutConfig()) is loop.generate  # the single-turn default is untouched
+
+
+def test_bad_multi_turn_setting_names_its_key_path():
+    from miles_core.config import ConfigError, load_recipe
+
+    with pytest.raises(ConfigError, match="rollout.multi_turn.max_turns: must be >= 1"):
+        load_recipe(SMOKE, {"rollout.multi_turn.max_turns": 0})
+    with pytest.raises(ConfigError, match="rollout.multi_turn.tool: unknown key"):
+        load_recipe(SMOKE, {"rollout.multi_turn.tool": "python"})

@@ -153,3 +153,10 @@ def test_failed_reward_scores_the_fallback_and_is_counted():
     metrics = loop.score(samples, loop.reward_fn_of(cfg), tokenizer, cfg, group_size=2)
     assert [s.reward for s in samples] == [-0.5, -0.5] and metrics["reward/failures"] == 2.0
     assert "is down or unreachable" in samples[0].metadata["reward_error"]
+
+
+@pytest.mark.parametrize("name", sorted(hub.REWARDS) + ["by_metadata"])
+def test_every_hub_reward_fits_the_reward_plugpoint(name):
+    from miles_core.plugins import PLUGPOINTS, load_function
+
+    load_function(f"miles_core.rewards.hub:{'by_metadata' if name == 'by_metadata' else hub.REWARDS[name].__name__}", "reward.fn", PLUGPOINTS["reward.fn"])
