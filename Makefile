@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test]"
+	command -v bwrap >/dev/null || apt-get install -y bubblewrap || sudo apt-get install -y bubblewrap  # code sandbox
 	touch $@
 
 run: setup

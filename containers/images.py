@@ -27,6 +27,7 @@ CPU_PACKAGES = [
     "tqdm>=4.66",
     "matplotlib>=3.9",
     "requests>=2.31",
+    "math-verify>=0.9,<0.10",
 ]
 
 cpu_image = ImageSpec(
@@ -35,6 +36,7 @@ cpu_image = ImageSpec(
     packages=CPU_PACKAGES,
     pip_extra_index_url=["https://download.pytorch.org/whl/cpu"],
     registry="ghcr.io/miles-flyte",
+    apt_packages=["bubblewrap"],  # the code sandbox (miles_core/tools/sandbox.py)
 )
 
 # The rollout servers' image on GPU nodes: SGLang with its own CUDA torch stack, as pinned by the

@@ -65,13 +65,15 @@ class DataConfig:
     metadata_key: str = "metadata"
     seed: int = 0
     source_fn: str = "miles_core.data.source:PromptSource"  # plug-point: source(prompts, seed, state)
+    tool_demo_fraction: float = 0.3  # tool_arith: share of demonstrations that call the python tool
 
     def __post_init__(self):
-        _check(self.problem_set == "addition", "data.problem_set", f"unknown problem set {self.problem_set!r}")
+        _check(self.problem_set in ("addition", "tool_arith"), "data.problem_set", f"unknown problem set {self.problem_set!r} (available: addition, tool_arith)")
         _check(1 <= self.digits <= 6, "data.digits", f"must be in [1, 6], got {self.digits}")
         _check(self.train_size > 0 and self.test_size > 0, "data.train_size", "sizes must be > 0")
         _check(0.0 <= self.teacher_carry_error <= 1.0, "data.teacher_carry_error", "must be in [0, 1]")
         _check(self.teacher_samples > 0, "data.teacher_samples", "must be > 0")
+        _check(0.0 <= self.tool_demo_fraction <= 1.0, "data.tool_demo_fraction", "must be in [0, 1]")
         _check(bool(self.train_file) == bool(self.test_file), "data.test_file", "give both train_file and test_file or neither")
 
 
@@ -135,6 +137,29 @@ ENGINES = ("torch", "sglang")
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    """Multi-turn rollout with tools (miles_core/rollout/multi_turn.py), read when rollout.generate_fn
+    is `miles_core.rollout.multi_turn:generate`; rollout.max_new_tokens caps each assistant turn."""
+
+    max_turns: int = 3  # assistant turns per sample: at most max_turns - 1 tool calls
+    max_response_tokens: int = 128  # budget of the whole response: the model's and the tools' tokens
+    tools: str = "python,calc"  # tools the policy may call, comma-separated (miles_core.tools.TOOLS)
+    max_tool_output_chars: int = 256  # a tool's output is cut to this before it becomes a turn
+    tool_timeout_s: float = 5.0  # the python tool's wall-clock limit
+    tool_cpu_s: int = 3
+    tool_memory_mb: int = 256
+    tool_workers: int = 2  # tool calls of one turn run concurrently
+
+    def __post_init__(self):
+        _check(self.max_turns >= 1, "rollout.multi_turn.max_turns", "must be >= 1")
+        _check(self.max_response_tokens > 0, "rollout.multi_turn.max_response_tokens", "must be > 0")
+        _check(all(t.strip() for t in self.tools.split(",")), "rollout.multi_turn.tools", f"empty tool name in {self.tools!r}")
+        _check(self.max_tool_output_chars > 0, "rollout.multi_turn.max_tool_output_chars", "must be > 0")
+        _check(self.tool_timeout_s > 0 and self.tool_cpu_s > 0 and self.tool_memory_mb > 0, "rollout.multi_turn.tool_timeout_s", "tool limits must be > 0")
+        _check(self.tool_workers > 0, "rollout.multi_turn.tool_workers", "must be > 0")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "torch"
     prompts_per_step: int = 32
@@ -155,6 +180,7 @@ class RolloutConfig:
     dynamic_filter_fn: str = "miles_core.algos.filters:nonzero_reward_std"  # plug-point: filter(group)
     buffer_filter_fn: str = "miles_core.algos.filters:oldest_first"  # plug-point: take(buffer, n)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # used when engine is sglang
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tools and turn limits of multi-turn generate
 
     def __post_init__(self):
         _check(self.engine in ENGINES, "rollout.engine", f"unknown engine {self.engine!r} (available: {', '.join(ENGINES)})")
@@ -175,9 +201,16 @@ class RewardConfig:
     max: float = 1.0
     group_fn: str = "miles_core.rewards.base:each_sample"  # plug-point: group_fn(reward_fn, responses, label, metadata)
     post_fn: str = "miles_core.rewards.base:no_post_processing"  # plug-point: post_fn(samples, group_size)
+    fallback: float = 0.0  # the reward of a sample whose reward function failed (clamped into [min, max])
+    default_type: str = "math"  # rewards.hub:by_metadata's type when metadata has no reward_type
+    remote_url: str = ""  # rewards.hub:remote's reward model endpoint (POST)
+    remote_timeout_s: float = 10.0
+    remote_retries: int = 2
 
     def __post_init__(self):
         _check(self.min < self.max, "reward.max", "must be > reward.min")
+        _check(self.remote_timeout_s > 0, "reward.remote_timeout_s", "must be > 0")
+        _check(self.remote_retries >= 0, "reward.remote_retries", "must be >= 0")
 
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")

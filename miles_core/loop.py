@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import time
 from collections import Counter
@@ -44,7 +45,7 @@ def rollout(engine: RolloutEngine, source, tokenizer, cfg: RolloutConfig, scorer
         n=cfg.n_samples, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         max_new_tokens=cfg.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,), seed=seed,
     )
-    generate_fn, drop_reason = plugin(cfg, "rollout", "generate_fn"), plugin(cfg, "rollout", "dynamic_filter_fn")
+    generate_fn, drop_reason = generate_fn_of(cfg), plugin(cfg, "rollout", "dynamic_filter_fn")
     groups, buffer = plugin(cfg, "rollout", "buffer_filter_fn")(buffer, cfg.prompts_per_step)
     taken, dropped, rounds, round_metrics, generated = len(groups), Counter(), [], [], 0
     while len(groups) < cfg.prompts_per_step and len(rounds) < cfg.max_rounds:
@@ -76,6 +77,21 @@ def rollout(engine: RolloutEngine, source, tokenizer, cfg: RolloutConfig, scorer
         **{f"rollout/dropped_{reason}": float(count) for reason, count in dropped.items()},
     })
     return [s for g in batch for s in g], buffer, metrics
+
+
+def _given(fn, keyword: str, section):
+    """fn with its config section bound when it declares the keyword parameter, else fn."""
+    return functools.partial(fn, **{keyword: section}) if keyword in inspect.signature(fn).parameters else fn
+
+
+def generate_fn_of(cfg: RolloutConfig):
+    """rollout.generate_fn, given the rollout section when it takes `rollout_cfg` (e.g. multi-turn settings)."""
+    return _given(plugin(cfg, "rollout", "generate_fn"), "rollout_cfg", cfg)
+
+
+def reward_fn_of(cfg: RewardConfig):
+    """reward.fn, given the reward section when it takes `reward_cfg` (e.g. the remote reward model's URL)."""
+    return _given(plugin(cfg, "reward", "fn"), "reward_cfg", cfg)
 
 
 def generate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, params: SamplingParams) -> tuple[list[Sample], dict]:
@@ -110,7 +126,7 @@ def generate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, params: Sa
 def score(samples: list[Sample], reward_fn, tokenizer, cfg: RewardConfig, group_size: int) -> dict:
     """Fill the rewards of the groups not scored yet (reward.group_fn, then reward.post_fn).
 
-    A reward that fails or is not finite scores cfg.min, is recorded in the sample's
+    A reward that fails or is not finite scores cfg.fallback, is recorded in the sample's
     metadata["reward_error"] and counted: a reward bug must not lose the rollout.
     """
     started = time.perf_counter()
@@ -141,7 +157,7 @@ def score(samples: list[Sample], reward_fn, tokenizer, cfg: RewardConfig, group_
         for s, text, r in zip(group, texts, rewards):
             if not math.isfinite(r):
                 s.metadata = {**s.metadata, "reward_error": errors.get(text, f"reward is not finite ({r})")}
-                r, failures = cfg.min, failures + 1
+                r, failures = cfg.fallback, failures + 1
             s.reward = r
         fresh += group
     post_fn(fresh, group_size)

@@ -9,7 +9,7 @@ from flytekit import task
 
 from containers.images import cpu_image
 from miles_core.config import DataConfig, ModelConfig
-from miles_core.data.problems import make_addition, write_jsonl
+from miles_core.data.problems import make_problem_set, write_jsonl
 from miles_core.data.source import load_prompts
 from miles_core.models.tiny import build_tiny_model
 from miles_core.storage import artifact_path, atomic_file, sha256_file
@@ -31,7 +31,7 @@ def make_data(cfg: DataConfig, root: str) -> Dataset:
         train, test = (_checked_copy(cfg, source, out / f"{name}{Path(source).suffix}") for name, source in (("train", cfg.train_file), ("test", cfg.test_file)))
     else:
         train, test = out / "train.jsonl", out / "test.jsonl"
-        for rows, path in zip(make_addition(cfg), (train, test)):
+        for rows, path in zip(make_problem_set(cfg), (train, test)):
             write_jsonl(rows, path)
     return Dataset(train=lasting_file(train), test=lasting_file(test), sha256=sha256_file(train))
 

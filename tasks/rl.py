@@ -37,7 +37,7 @@ def _critic_cfg(algo: AlgoConfig, cfg: TrainConfig) -> TrainConfig:
 
 
 def _scorer(reward: RewardConfig, tokenizer, group_size: int):
-    return functools.partial(loop.score, reward_fn=plugin(reward, "reward", "fn"), tokenizer=tokenizer, cfg=reward, group_size=group_size)
+    return functools.partial(loop.score, reward_fn=loop.reward_fn_of(reward), tokenizer=tokenizer, cfg=reward, group_size=group_size)
 
 
 @task(cache=True, cache_version=cache_version(TrainConfig, AlgoConfig), container_image=cpu_image)
@@ -120,7 +120,7 @@ def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: R
     engine = make_engine(rollout, policy.dir.path, policy.version, max_batch_sequences=cfg.batch_size)
     tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)
     metrics = plugin(cfg, "evaluation", "fn")(
-        engine, _prompts(dataset.test, data), tokenizer, plugin(reward, "reward", "fn"), reward, cfg, generate_fn=plugin(rollout, "rollout", "generate_fn"),
+        engine, _prompts(dataset.test, data), tokenizer, loop.reward_fn_of(reward), reward, cfg, generate_fn=loop.generate_fn_of(rollout),
     )
     print(f"evaluate: policy v{policy.version}: held-out accuracy {metrics['eval/accuracy']:.3f}")
     return metrics

@@ -125,3 +125,43 @@ def write_jsonl(rows: list[dict], path: str | os.PathLike) -> None:
     with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+# --- "tool_arith": multiplication a tiny model cannot do in its head, but can with the interpreter ---
+
+TOOL_PROBLEM_SET = "tool_arith"
+
+
+def tool_demonstration(a: int, b: int) -> list[dict]:
+    """A conversation solving a*b with the python tool: the call, the tool's output, the answer."""
+    product = str(a * b)
+    return [
+        {"role": "assistant", "content": f"<tool>python\n{a}*{b}\n</tool>"},
+        {"role": "tool", "content": product},
+        {"role": "assistant", "content": product},
+    ]
+
+
+def _tool_row(cfg: DataConfig, a: int, b: int) -> dict:
+    rng = random.Random(f"{cfg.seed}:tool:{a}*{b}")
+    demos = [tool_demonstration(a, b) if rng.random() < cfg.tool_demo_fraction else str(a * b) for _ in range(cfg.teacher_samples)]
+    metadata = {"problem_set": TOOL_PROBLEM_SET, "id": f"mul-{a}-{b}", "a": a, "b": b, "reward_type": "integer", "demonstrations": demos}
+    return {cfg.input_key: f"{a}*{b}=", cfg.label_key: str(a * b), cfg.metadata_key: metadata}
+
+
+def make_tool_arith(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows) of `digits`-digit products; demonstrations call the python tool
+    with probability data.tool_demo_fraction and otherwise answer directly (correctly), so SFT
+    starts with some tool use that RL can raise."""
+    low, count = _operand_range(cfg.digits)
+    total = count * count
+    if cfg.train_size + cfg.test_size > total:
+        raise ValueError(f"data.train_size: {cfg.train_size} train + {cfg.test_size} test problems requested, but only {total} distinct {cfg.digits}-digit products exist")
+    test_idx = _sample_indices(random.Random(f"{cfg.seed}:tool-test"), total, cfg.test_size, set())
+    train_idx = _sample_indices(random.Random(f"{cfg.seed}:tool-train"), total, cfg.train_size, set(test_idx))
+    return tuple([_tool_row(cfg, low + i // count, low + i % count) for i in idx] for idx in (train_idx, test_idx))
+
+
+def make_problem_set(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+    """The (train, test) rows of data.problem_set."""
+    return make_tool_arith(cfg) if cfg.problem_set == TOOL_PROBLEM_SET else make_addition(cfg)

@@ -2,6 +2,8 @@
 
 A prompt's demonstrations are `metadata["demonstrations"]` (a list of responses, e.g. the problem
 set's imperfect teacher's attempts) when the data carries them, else its label.  Linear warm-up then cosine decay.
+A demonstration is either a response text or a multi-turn conversation (a list of assistant/tool
+messages, e.g. a tool call, the tool's output, the answer): its tool turns are masked out of the loss.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from miles_core.algos.objective import sft_loss
 from miles_core.config import SFTConfig, TrainConfig
 from miles_core.data.source import Prompt
 from miles_core.models.tiny import demonstration_tokens, encode_prompt
+from miles_core.rollout.multi_turn import conversation_tokens
 from miles_core.samples import Sample
 from miles_core.train.base import Trainer, pack
 
@@ -24,11 +27,15 @@ def demonstrations(prompts: list[Prompt], tokenizer) -> list[Sample]:
     out = []
     for p in prompts:
         prompt_tokens = encode_prompt(tokenizer, p.text)
-        for i, text in enumerate(p.metadata.get("demonstrations", [p.label])):
-            response = demonstration_tokens(tokenizer, str(text))
+        for i, demo in enumerate(p.metadata.get("demonstrations", [p.label])):
+            if isinstance(demo, list):
+                response, mask = conversation_tokens(tokenizer, demo)
+            else:
+                response = demonstration_tokens(tokenizer, str(demo))
+                mask = [1] * len(response)
             out.append(Sample(
                 prompt_id=p.id, index=i, prompt_tokens=prompt_tokens, response_tokens=response,
-                rollout_logprobs=[0.0] * len(response), loss_mask=[1] * len(response), finish_reason="stop",
+                rollout_logprobs=[0.0] * len(response), loss_mask=mask, finish_reason="stop",
                 weight_version=0, label=p.label, metadata=p.metadata,
             ))
     return out

@@ -1,0 +1,134 @@
+"""The reward hub: built-in reward functions (each a `reward.fn`), and one that picks per sample.
+
+Every function has the `RewardFn` signature `(response, label, metadata) -> float` and scores the
+response's *final turn*: in a multi-turn response (rollout/multi_turn.py) the text after the last
+`assistant` turn, so a number inside a tool call or a tool's output is never taken for the answer.
+
+* `math_answer`: math-verify (`math_verify.parse` + `verify`) of the final turn against the label:
+  LaTeX, boxed answers, fractions, decimals, sets and equations are compared symbolically.
+* `boxed_math`: the same, but only the last `\\boxed{...}` counts; no box scores 0.
+* `integer`: the first integer of the final turn equals the integer label (rewards/math.py).
+* `exact_match` / `f1`: SQuAD-style normalised string equality / token-level F1 for short answers.
+* `format_boxed`: 1 when the final turn holds exactly one `\\boxed{...}`; `format_regex`: 1 when
+  it fully matches `metadata["format_pattern"]`.
+* `remote`: a reward model over HTTP (rewards/remote.py) at reward.remote_url.
+* `by_metadata`: picks one of the above by `metadata["reward_type"]` (default reward.default_type).
+
+A failure (unknown type, remote model down) raises; `loop.score` records it and scores
+reward.fallback.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import string
+import threading
+
+from math_verify import parse, verify
+
+from miles_core.config import RewardConfig
+from miles_core.rewards.math import integer_answer
+from miles_core.rewards.remote import remote_reward
+
+_LAST_ASSISTANT = "\nassistant\n"  # how a tool turn ends, once special tokens are stripped
+
+
+def final_turn(response: str) -> str:
+    """The last assistant turn of a decoded (special tokens skipped) multi-turn response."""
+    return response.rsplit(_LAST_ASSISTANT, 1)[-1]
+
+
+def extract_boxed(text: str) -> str | None:
+    r"""The content of the last \boxed{...} (braces balanced), else None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+    return None
+
+
+def _timeouts() -> dict:
+    # math-verify's timeouts use SIGALRM, which only the main thread may set
+    on_main = threading.current_thread() is threading.main_thread()
+    return {} if on_main else {"parsing_timeout": None}
+
+
+def _verified(gold: str, answer: str) -> float:
+    kwargs = _timeouts()
+    target = parse(answer, **kwargs)
+    expected = parse(gold if "$" in gold or "\\" in gold else f"${gold}$", **kwargs)
+    return float(bool(target) and verify(expected, target, **({} if not kwargs else {"timeout_seconds": None})))
+
+
+def math_answer(response: str, label: str, metadata: dict) -> float:
+    return _verified(str(label), final_turn(response))
+
+
+def boxed_math(response: str, label: str, metadata: dict) -> float:
+    boxed = extract_boxed(final_turn(response))
+    return 0.0 if boxed is None else _verified(str(label), f"\\boxed{{{boxed}}}")
+
+
+def integer(response: str, label: str, metadata: dict) -> float:
+    return integer_answer(final_turn(response), label, metadata)
+
+
+def normalize_answer(text: str) -> str:
+    """Lower case, no punctuation, no articles (a, an, the), single spaces (SQuAD's normalisation)."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
+
+
+def exact_match(response: str, label: str, metadata: dict) -> float:
+    return float(normalize_answer(final_turn(response)) == normalize_answer(str(label)))
+
+
+def f1(response: str, label: str, metadata: dict) -> float:
+    predicted, gold = normalize_answer(final_turn(response)).split(), normalize_answer(str(label)).split()
+    common = sum((collections.Counter(predicted) & collections.Counter(gold)).values())
+    if not predicted or not gold:
+        return float(predicted == gold)
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def format_boxed(response: str, label: str, metadata: dict) -> float:
+    return float(final_turn(response).count("\\boxed{") == 1 and extract_boxed(final_turn(response)) is not None)
+
+
+def format_regex(response: str, label: str, metadata: dict) -> float:
+    pattern = metadata.get("format_pattern")
+    if not isinstance(pattern, str):
+        raise ValueError("format_regex needs metadata['format_pattern'] (a regular expression)")
+    return float(re.fullmatch(pattern, final_turn(response).strip(), re.DOTALL) is not None)
+
+
+def remote(response: str, label: str, metadata: dict, reward_cfg: RewardConfig | None = None) -> float:
+    cfg = reward_cfg or RewardConfig()
+    url = metadata.get("reward_url") or cfg.remote_url
+    if not url:
+        raise ValueError("remote reward: set reward.remote_url (or metadata['reward_url'])")
+    return remote_reward(url, final_turn(response), label, metadata, cfg.remote_timeout_s, cfg.remote_retries)
+
+
+REWARDS = {
+    "math": math_answer, "boxed": boxed_math, "integer": integer, "exact": exact_match, "f1": f1,
+    "format_boxed": format_boxed, "format_regex": format_regex, "remote": remote,
+}
+
+
+def by_metadata(response: str, label: str, metadata: dict, reward_cfg: RewardConfig | None = None) -> float:
+    """The reward named by metadata["reward_type"] (else reward.default_type); see REWARDS."""
+    cfg = reward_cfg or RewardConfig()
+    kind = metadata.get("reward_type", cfg.default_type)
+    if kind not in REWARDS:
+        raise ValueError(f"metadata['reward_type'] {kind!r} is not a reward type (available: {', '.join(REWARDS)})")
+    fn = REWARDS[kind]
+    return fn(response, label, metadata, reward_cfg=cfg) if fn is remote else fn(response, label, metadata)

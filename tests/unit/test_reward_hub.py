@@ -1,0 +1,162 @@
+"""The reward hub on a held-out set of answer formats, per-sample reward types, the remote reward
+model against a real HTTP server on 127.0.0.1 (up, down, slow, garbage, flaky), and the scorer's
+fallback when a reward fails."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from miles_core import loop
+from miles_core.config import RewardConfig
+from miles_core.models.tiny import build_tokenizer
+from miles_core.rewards import hub
+from miles_core.rewards.remote import RemoteRewardError, remote_reward
+from miles_core.samples import Sample
+
+# (response, label, expected math_answer): formats not used to write the hub, each checked by math-verify.
+HELD_OUT_MATH = [
+    ("The answer is \\boxed{408}.", "408", 1.0),
+    ("408", "408", 1.0),
+    ("So we get $\\frac{1}{2}$.", "\\frac{1}{2}", 1.0),
+    ("0.5", "1/2", 1.0),
+    ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
+    ("x = 2", "2", 1.0),
+    ("\\boxed{408.0}", "408", 1.0),
+    ("\\boxed{409}", "408", 0.0),
+    ("I do not know", "408", 0.0),
+    ("", "408", 0.0),
+    ("<tool>python\nprint(12*34)\n</tool>\ntool\n408\nassistant\n407", "408", 0.0),  # the tool's 408 is not the answer
+    ("<tool>python\nprint(12*34)\n</tool>\ntool\n408\nassistant\n408", "408", 1.0),
+]
+
+
+@pytest.mark.parametrize("response,label,expected", HELD_OUT_MATH)
+def test_math_answer_on_held_out_formats(response, label, expected):
+    assert hub.math_answer(response, label, {}) == expected
+
+
+def test_boxed_extraction_and_boxed_math():
+    assert hub.extract_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
+    assert hub.extract_boxed("\\boxed{unclosed") is None and hub.extract_boxed("no box") is None
+    assert hub.boxed_math("\\boxed{\\frac{2}{4}}", "1/2", {}) == 1.0
+    assert hub.boxed_math("1/2", "1/2", {}) == 0.0  # right, but not boxed
+
+
+def test_exact_match_and_f1():
+    assert hub.exact_match("The  Eiffel Tower!", "eiffel tower", {}) == 1.0
+    assert hub.exact_match("Eiffel", "eiffel tower", {}) == 0.0
+    assert hub.f1("the eiffel tower in paris", "Eiffel Tower", {}) == pytest.approx(2 * (2 / 4) * 1.0 / (2 / 4 + 1.0))
+    assert hub.f1("", "", {}) == 1.0 and hub.f1("x", "", {}) == 0.0 and hub.f1("louvre", "eiffel tower", {}) == 0.0
+
+
+def test_format_rewards():
+    assert hub.format_boxed("so \\boxed{3}", "", {}) == 1.0
+    assert hub.format_boxed("\\boxed{3} or \\boxed{4}", "", {}) == 0.0
+    assert hub.format_regex("Answer: 42", "", {"format_pattern": r"Answer: \d+"}) == 1.0
+    with pytest.raises(ValueError, match="format_pattern"):
+        hub.format_regex("x", "", {})
+
+
+def test_reward_type_is_chosen_per_sample():
+    assert hub.by_metadata("the eiffel tower", "Eiffel Tower", {"reward_type": "exact"}) == 1.0
+    assert hub.by_metadata("\\boxed{408}", "408", {}) == 1.0  # default type: math
+    assert hub.by_metadata("408 apples", "408", {"reward_type": "integer"}) == 1.0
+    with pytest.raises(ValueError, match="'nonsense' is not a reward type"):
+        hub.by_metadata("x", "y", {"reward_type": "nonsense"})
+
+
+class _Handler(BaseHTTPRequestHandler):
+    mode = "ok"
+    requests = 0
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests += 1
+        if self.mode == "slow":
+            time.sleep(1.0)
+        if self.mode == "flaky" and type(self).requests == 1:
+            return self._reply(503, b"busy")
+        if self.mode == "garbage":
+            return self._reply(200, b"<html>not json</html>")
+        self._reply(200, json.dumps({"reward": float(body["response"] == body["label"])}).encode())
+
+    def _reply(self, status, data):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def reward_server():
+    """A real HTTP reward model on 127.0.0.1; set `_Handler.mode` to make it slow, flaky or garbage."""
+    _Handler.mode, _Handler.requests = "ok", 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/score"
+    server.shutdown()
+    server.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_remote_reward_up(reward_server):
+    cfg = RewardConfig(remote_url=reward_server)
+    assert hub.by_metadata("prefix\nassistant\n408", "408", {"reward_type": "remote"}, reward_cfg=cfg) == 1.0
+    assert hub.remote("407", "408", {}, reward_cfg=cfg) == 0.0
+
+
+def test_remote_reward_down_is_a_clear_error():
+    url = f"http://127.0.0.1:{_free_port()}/score"
+    with pytest.raises(RemoteRewardError, match=f"reward model at {url} is down or unreachable .* after 2 attempts"):
+        remote_reward(url, "408", "408", {}, timeout_s=1.0, retries=1, backoff_s=0.01)
+
+
+def test_remote_reward_slow_times_out(reward_server):
+    _Handler.mode = "slow"
+    with pytest.raises(RemoteRewardError, match="did not answer within 0.2s after 1 attempts"):
+        remote_reward(reward_server, "408", "408", {}, timeout_s=0.2, retries=0)
+
+
+def test_remote_reward_garbage_is_named(reward_server):
+    _Handler.mode = "garbage"
+    with pytest.raises(RemoteRewardError, match="returned garbage .*not json"):
+        remote_reward(reward_server, "408", "408", {})
+
+
+def test_remote_reward_retries_a_server_error(reward_server):
+    _Handler.mode = "flaky"
+    assert remote_reward(reward_server, "408", "408", {}, retries=1, backoff_s=0.01) == 1.0
+    assert _Handler.requests == 2
+
+
+def test_failed_reward_scores_the_fallback_and_is_counted():
+    """The scorer with the remote model down: every sample gets reward.fallback, the error is
+    recorded in its metadata and counted; nothing raises."""
+    tokenizer = build_tokenizer()
+    cfg = RewardConfig(fn="miles_core.rewards.hub:by_metadata", min=-1.0, fallback=-0.5, remote_url=f"http://127.0.0.1:{_free_port()}/score", remote_retries=0, remote_timeout_s=1.0)
+    samples = [Sample("p", i, [1], tokenizer.encode("408", add_special_tokens=False), [0.0] * 3, [1] * 3, "stop", 0, "408", {"reward_type": "remote"}) for i in range(2)]
+    metrics = loop.score(samples, loop.reward_fn_of(cfg), tokenizer, cfg, group_size=2)
+    assert [s.reward for s in samples] == [-0.5, -0.5] and metrics["reward/failures"] == 2.0
+    assert "is down or unreachable" in samples[0].metadata["reward_error"]
+
+
+@pytest.mark.parametrize("name", sorted(hub.REWARDS) + ["by_metadata"])
+def test_every_hub_reward_fits_the_reward_plugpoint(name):
+    from miles_core.plugins import PLUGPOINTS, load_function
+
+    load_function(f"miles_core.rewards.hub:{'by_metadata' if name == 'by_metadata' else hub.REWARDS[name].__name__}", "reward.fn", PLUGPOINTS["reward.fn"])
