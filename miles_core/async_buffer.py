@@ -91,10 +91,11 @@ class SampleBuffer:
 
     def deliver(self, worker: int, groups: list[Group], stats: dict[str, float]) -> None:
         """The groups of `worker`'s lease, generated and scored; ends the lease."""
-        leased = sorted(p.metadata["draw"] for p in self._leases.pop(worker, []))
+        leased = sorted(p.metadata["draw"] for p in self._leases.get(worker, []))
         delivered = sorted(draw_of(g) for g in groups)
         if leased != delivered:
             raise RuntimeError(f"rollout actor {worker} delivered draws {delivered} for its lease {leased}")
+        del self._leases[worker]
         self._ready += groups
         self.rollout_stats.update(stats)
 

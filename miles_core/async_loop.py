@@ -156,41 +156,47 @@ class RolloutWorker:
             yield
 
     def _generate(self, prompts: list[Prompt]) -> list[Sample]:
-        """Generate in segments when partial rollout is on (a weight update may land between them)."""
-        rollout, cfg = self.spec.rollout, self.spec.cfg
-        segment = cfg.partial_segment_tokens if cfg.partial_rollout else rollout.max_new_tokens
-        params = SamplingParams(
-            n=rollout.n_samples, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-            max_new_tokens=min(segment, rollout.max_new_tokens), stop_token_ids=(self.tokenizer.eos_token_id,),
-            seed=rollout.seed * 1_000_003 + prompts[0].metadata["draw"],  # a draw's sample depends on the draw and the weights
-        )
-        with self._engine_turn():
-            samples, _ = self.generate_fn(self.engine, prompts, self.tokenizer, params)
-        versions = [[s.weight_version] * len(s.response_tokens) for s in samples]  # per response token
-        for round_ in range(1, rollout.max_new_tokens):
-            open_ = [i for i, s in enumerate(samples) if s.finish_reason == "length" and len(s.response_tokens) < rollout.max_new_tokens]
-            if not open_:
-                break
-            left = rollout.max_new_tokens - len(samples[open_[0]].response_tokens)  # open samples share one length
-            step = dataclasses.replace(params, n=1, max_new_tokens=min(segment, left), seed=params.seed + 7919 * round_)
-            with self._engine_turn():
-                generations = self.engine.generate([samples[i].prompt_tokens + samples[i].response_tokens for i in open_], step)
-            for i, (g,) in zip(open_, generations):
-                s = samples[i]
-                s.response_tokens, s.rollout_logprobs = s.response_tokens + g.tokens, s.rollout_logprobs + g.logprobs
-                s.loss_mask, s.finish_reason = s.loss_mask + [1] * len(g.tokens), g.finish_reason
-                versions[i] += [g.weight_version] * len(g.tokens)
-        return [self._versioned(s, v) for s, v in zip(samples, versions)]
+        return generate_segmented(self.engine, prompts, self.tokenizer, self.generate_fn, self.spec.rollout, self.spec.cfg, self._engine_turn)
 
-    def _versioned(self, sample: Sample, versions: list[int]) -> Sample:
-        """weight_version = the oldest policy among the tokens trained on; older tokens masked if asked."""
-        if self.spec.cfg.mask_stale_tokens:
-            sample.loss_mask = [m if v == versions[-1] else 0 for m, v in zip(sample.loss_mask, versions)]
-        trained = [v for v, m in zip(versions, sample.loss_mask) if m] or versions
-        sample.weight_version = min(trained)
-        if len(set(versions)) > 1:
-            sample.metadata = {**sample.metadata, "token_versions": versions}
-        return sample
+
+def generate_segmented(engine, prompts: list[Prompt], tokenizer, generate_fn, rollout: RolloutConfig, cfg: AsyncConfig, turn) -> list[Sample]:
+    """Samples for `prompts`, generated in segments when partial rollout is on: `turn()` (a context
+    manager) holds the engine for one segment, and a weight update may land between segments, so
+    a response continues under the newer weights. Each sample's weight_version is the oldest
+    policy among the tokens it trains on; with cfg.mask_stale_tokens older tokens get loss mask 0."""
+    segment = cfg.partial_segment_tokens if cfg.partial_rollout else rollout.max_new_tokens
+    params = SamplingParams(
+        n=rollout.n_samples, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+        max_new_tokens=min(segment, rollout.max_new_tokens), stop_token_ids=(tokenizer.eos_token_id,),
+        seed=rollout.seed * 1_000_003 + prompts[0].metadata["draw"],  # a draw's sample depends on the draw and the weights
+    )
+    with turn():
+        samples, _ = generate_fn(engine, prompts, tokenizer, params)
+    versions = [[s.weight_version] * len(s.response_tokens) for s in samples]  # per response token
+    for round_ in range(1, rollout.max_new_tokens):
+        open_ = [i for i, s in enumerate(samples) if s.finish_reason == "length" and len(s.response_tokens) < rollout.max_new_tokens]
+        if not open_:
+            break
+        left = rollout.max_new_tokens - len(samples[open_[0]].response_tokens)  # open samples share one length
+        step = dataclasses.replace(params, n=1, max_new_tokens=min(segment, left), seed=params.seed + 7919 * round_)
+        with turn():
+            generations = engine.generate([samples[i].prompt_tokens + samples[i].response_tokens for i in open_], step)
+        for i, (g,) in zip(open_, generations):
+            s = samples[i]
+            s.response_tokens, s.rollout_logprobs = s.response_tokens + g.tokens, s.rollout_logprobs + g.logprobs
+            s.loss_mask, s.finish_reason = s.loss_mask + [1] * len(g.tokens), g.finish_reason
+            versions[i] += [g.weight_version] * len(g.tokens)
+    return [_versioned(s, v, cfg.mask_stale_tokens) for s, v in zip(samples, versions)]
+
+
+def _versioned(sample: Sample, versions: list[int], mask_stale: bool) -> Sample:
+    if mask_stale:
+        sample.loss_mask = [m if v == versions[-1] else 0 for m, v in zip(sample.loss_mask, versions)]
+    trained = [v for v, m in zip(versions, sample.loss_mask) if m] or versions
+    sample.weight_version = min(trained)
+    if len(set(versions)) > 1:
+        sample.metadata = {**sample.metadata, "token_versions": versions}
+    return sample
 
 
 class AsyncTrainer:

@@ -10,10 +10,11 @@ killed at any moment re-runs from its inputs, the previous phase's outputs.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Optional
 
 from flytekit import Resources, task
-from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
@@ -61,6 +62,9 @@ def async_phase(cfg: AsyncConfig, rollout: RolloutConfig, data: DataConfig, rewa
         if result.buffer:
             write_batch([s for g in result.buffer for s in g], tmp / "buffer.parquet", scored=True, reward_range=(reward.min, reward.max))
         version = policy.version + steps
+        ledger = {"state_before": dataclasses.asdict(state), "state_after": dataclasses.asdict(result.state), "dropped": result.dropped,
+                  "weight_versions": [version - steps, version], "metrics": result.metrics}
+        (tmp / "ledger.json").write_text(json.dumps(ledger, indent=1))  # where every drawn prompt ended, readable without Flyte
         publish(TorchTrainer.load(str(tmp / "checkpoint"), train), str(tmp / "checkpoint"), tmp / "policy", publish_cfg.dtype, version, policy.version)
     print(f"async phase: steps {first_iteration + 1}-{first_iteration + steps}, {result.metrics['async/samples_per_s']:.1f} samples/s, "
           f"staleness mean {result.metrics['async/staleness_mean']:.2f}, policy v{version}")
