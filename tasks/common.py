@@ -89,3 +89,17 @@ def cache_version(*sections: type) -> str:
     schema = [(s.__name__, [(f.name, str(f.type)) for f in fields(s)], config_hash(s())) for s in sections]
     return f"{miles_core.__version__}-{digest(schema)}"
 
+
+
+@dataclass
+class AsyncPhaseResult:
+    """What an async phase of K training steps leaves for the next phase or sync iteration."""
+
+    ckpt: Checkpoint  # the trainer's checkpoint after the phase, the torch trainer's format
+    policy: Policy  # the same weights published as version start + K
+    batches: FlyteDirectory  # step-NNNN.parquet: every consumed batch, scored, with weight and trainer versions
+    buffer: Optional[FlyteFile]  # scored groups generated but not consumed, with their weight versions
+    state: DataState  # the data source's position after every prompt this phase drew
+    dropped: list[str]  # "draw/index" of the samples dropped as too stale
+    steps: list[dict[str, float]]  # per training step: the training metrics and the async ones
+    metrics: dict[str, float]  # the phase's totals: throughput, staleness distribution, idle times

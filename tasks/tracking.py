@@ -15,7 +15,7 @@ from containers.images import cpu_image
 from miles_core import tracking
 from miles_core.config import RunConfig, config_hash, flatten
 from miles_core.weights.publish import read_manifest
-from tasks.common import Dataset, Policy, Tracking
+from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking
 
 
 @dataclass
@@ -71,3 +71,19 @@ def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float],
     print(f"held-out greedy accuracy: before RL {report.accuracy_before:.3f} -> after RL {report.accuracy_after:.3f}")
     print(f"MLflow: run {run.run_id} ({run.uri}); `make ui` to browse; final policy v{policy.version}: {policy.dir.path}")
     return report
+
+
+@task(cache=False, container_image=cpu_image)
+def log_phase(run: Tracking, first_iteration: int, phase: AsyncPhaseResult, evaluation: dict[str, float]) -> None:
+    """An async phase's K steps as K iterations (training + async metrics), its totals and evaluation at the last."""
+    last = first_iteration + len(phase.steps)
+    for i, step in enumerate(phase.steps):
+        totals = {**phase.metrics, **evaluation} if first_iteration + i + 1 == last else {}
+        tracking.log_metrics(run.uri, run.run_id, {**step, **totals, "time/logged_at": time.time()}, step=first_iteration + i + 1)
+        print(f"iteration {first_iteration + i + 1}: reward {step['reward/mean']:.3f} loss {step['train/loss']:+.4f} "
+              f"staleness {step['async/staleness_mean']:.2f} (async)", flush=True)
+    tracking.log_dict(run.uri, run.run_id, read_manifest(phase.policy.dir.path), f"policies/v{phase.policy.version:04d}.json")
+    line = f"async phase {first_iteration + 1}-{last}: {phase.metrics['async/samples_per_s']:.1f} samples/s, policy v{phase.policy.version}"
+    if evaluation:
+        line += f" | held-out accuracy {evaluation['eval/accuracy']:.3f}"
+    print(line, flush=True)

@@ -13,24 +13,37 @@ from typing import NamedTuple
 from flytekit import dynamic, workflow
 
 from containers.images import cpu_image
+from miles_core.async_loop import phase_plan
 from miles_core.config import RunConfig
 from miles_core.data.source import DataState
 from tasks.common import Dataset, Policy, Tracking
 from tasks.prepare import build_model, make_data
 from tasks.rl import convert, evaluate, publish, rollout, score, train
 from tasks.sft import sft
-from tasks.tracking import Report, finish_run, log_iteration, start_run
+from tasks.tracking import Report, finish_run, log_iteration, log_phase, start_run
+from tasks.async_phase import async_phase
 
 LoopResult = NamedTuple("LoopResult", [("policy", Policy), ("evaluation", dict[str, float])])
 
 
 @dynamic(container_image=cpu_image)
 def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> LoopResult:
-    """N synchronous iterations; returns the final policy and its held-out evaluation."""
+    """N iterations, sync or in async phases (async_phase.schedule); returns the final policy and its held-out evaluation."""
     root, policy, state, buffer = cfg.run_root, start, DataState(), None
     ckpt = convert(cfg=cfg.train, algo=cfg.algo, policy=start, root=root)
     evaluation = {}
-    for it in range(cfg.iterations):
+    for it, async_steps in phase_plan(cfg.iterations, cfg.async_phase):  # (it, 0): one sync iteration
+        if async_steps:  # an async phase of K steps on Ray; its buffer and data state feed what follows
+            phase = async_phase(
+                cfg=cfg.async_phase, rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, algo=cfg.algo, train=cfg.train, hooks=cfg.hooks,
+                publish_cfg=cfg.publish, ckpt=ckpt, policy=policy, reference=start, dataset=dataset, state=state, buffer=buffer,
+                first_iteration=it, steps=async_steps, root=root,
+            )
+            due = any((i + 1) % cfg.evaluation.interval == 0 for i in range(it, it + async_steps)) or it + async_steps == cfg.iterations
+            evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=phase.policy, dataset=dataset) if due else {}
+            log_phase(run=run, first_iteration=it, phase=phase, evaluation=evaluation)
+            ckpt, policy, state, buffer = phase.ckpt, phase.policy, phase.state, phase.buffer
+            continue
         batch = rollout(cfg=cfg.rollout, data=cfg.data, reward=cfg.reward, policy=policy, dataset=dataset, state=state, buffer=buffer, iteration=it, root=root)
         scored = score(cfg=cfg.reward, hooks=cfg.hooks, group_size=cfg.rollout.n_samples, policy=policy, batch=batch, iteration=it, root=root)
         trained = train(

@@ -1,0 +1,146 @@
+"""The bounded queue of the asynchronous phase, with leases so that no sample is lost or counted twice.
+
+One `SampleBuffer` (a Ray actor in async_loop.py, plain Python here so it is testable alone)
+owns the prompt stream and every group between "drawn from the stream" and "consumed by the
+trainer". A rollout actor leases prompts, generates and scores them, and delivers the groups;
+delivery ends the lease in the same call, so an actor that dies holding a lease never delivers
+half of it: when Ray restarts the actor, `register` hands its leased prompts out again.
+
+Every prompt draw carries its stream position (`metadata["draw"]`, epoch * len(prompts) +
+offset), so across phases each draw ends exactly once: consumed by a training step, dropped as
+too stale (policy "drop"), or still waiting in the buffer handed to the next phase.
+
+Bound: groups ready plus prompts leased never exceed `capacity`; a full buffer leases nothing
+(the rollout actor waits), which is what keeps a fast rollout from running far ahead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from miles_core.data.source import DataState, Prompt
+from miles_core.samples import Sample
+
+Group = list[Sample]
+
+
+def draw_of(group_or_sample) -> int:
+    sample = group_or_sample[0] if isinstance(group_or_sample, list) else group_or_sample
+    return int(sample.metadata.get("draw", -1))
+
+
+def group_version(group: Group) -> int:
+    """The oldest weight version that produced any of the group's samples."""
+    return min(s.weight_version for s in group)
+
+
+def stream_position(state: DataState, n_prompts: int) -> int:
+    return state.epoch * n_prompts + state.offset
+
+
+class SampleBuffer:
+    """prompts: the dataset (to rebuild the prompt of a group to regenerate); source: the
+    data.source_fn stream; waiting: scored groups left by the previous phase; take_fn: the
+    rollout.buffer_filter_fn plug-point choosing which ready groups a step takes."""
+
+    def __init__(self, prompts: list[Prompt], source, capacity: int, stale_policy: str, take_fn, waiting: list[Group] = ()):
+        self._by_id = {p.id: p for p in prompts}
+        self._n_prompts = len(prompts)
+        self._source = source
+        self._capacity = capacity
+        self._stale_policy = stale_policy
+        self._take_fn = take_fn
+        self._ready: list[Group] = list(waiting)
+        self._reissue: list[Prompt] = []  # drawn prompts to generate (again): dead actors' leases, stale groups
+        self._leases: dict[int, list[Prompt]] = {}  # worker -> prompts it is generating
+        self._closed = False
+        self._latest_weights = None  # ([ObjectRef of the state dict], version) of the last push
+        self.dropped: list[str] = []  # "draw/index" of samples dropped as too stale
+        self.registrations: Counter = Counter()
+        self.rollout_stats: Counter = Counter()  # summed over deliveries: samples, tokens, busy/idle seconds
+        self.depths: list[int] = []  # ready groups seen by each take
+
+    # rollout side -------------------------------------------------------------------------------
+    def register(self, worker: int):
+        """A rollout actor (re)starts: its unfinished lease is handed out again; returns the latest weights."""
+        self.registrations[worker] += 1
+        self._reissue = self._leases.pop(worker, []) + self._reissue
+        return self._latest_weights
+
+    def lease(self, worker: int, n: int) -> list[Prompt] | None:
+        """Up to n prompts for `worker` ([] while the buffer is full); None once closed with nothing left."""
+        if worker in self._leases:
+            raise RuntimeError(f"rollout actor {worker} asked for a lease while holding one")
+        room = self._capacity - len(self._ready) - sum(len(v) for v in self._leases.values())
+        take = min(n, room)
+        if take <= 0:
+            return None if self._closed and not self._reissue else []
+        prompts, self._reissue = self._reissue[:take], self._reissue[take:]
+        if len(prompts) < take and not self._closed:
+            prompts += self._draw(take - len(prompts))
+        if not prompts:
+            return None if self._closed else []
+        self._leases[worker] = prompts
+        return prompts
+
+    def _draw(self, n: int) -> list[Prompt]:
+        start = stream_position(self._source.state, self._n_prompts)
+        drawn = self._source.next_batch(n)
+        return [dataclasses.replace(p, metadata={**p.metadata, "draw": start + i}) for i, p in enumerate(drawn)]
+
+    def deliver(self, worker: int, groups: list[Group], stats: dict[str, float]) -> None:
+        """The groups of `worker`'s lease, generated and scored; ends the lease."""
+        leased = sorted(p.metadata["draw"] for p in self._leases.get(worker, []))
+        delivered = sorted(draw_of(g) for g in groups)
+        if leased != delivered:
+            raise RuntimeError(f"rollout actor {worker} delivered draws {delivered} for its lease {leased}")
+        del self._leases[worker]
+        self._ready += groups
+        self.rollout_stats.update(stats)
+
+    def set_latest_weights(self, weights) -> None:
+        self._latest_weights = weights
+
+    # trainer side -------------------------------------------------------------------------------
+    def take(self, n: int, min_version: int) -> list[Group] | None:
+        """n groups no older than min_version, or None if fewer are ready; older ones are dropped or regenerated first."""
+        self._evict_older_than(min_version)
+        self.depths.append(len(self._ready))
+        if len(self._ready) < n:
+            return None
+        taken, self._ready = self._take_fn(self._ready, n)
+        return taken
+
+    def _evict_older_than(self, min_version: int) -> None:
+        stale = [g for g in self._ready if group_version(g) < min_version]
+        if not stale:
+            return
+        self._ready = [g for g in self._ready if group_version(g) >= min_version]
+        if self._stale_policy == "regenerate":
+            self._reissue += [self._prompt_of(g) for g in stale]
+        else:
+            self.dropped += [f"{draw_of(s)}/{s.index}" for g in stale for s in g]
+
+    def _prompt_of(self, group: Group) -> Prompt:
+        sample = group[0]
+        prompt = self._by_id[sample.prompt_id]
+        return dataclasses.replace(prompt, metadata={**prompt.metadata, "draw": draw_of(sample)})
+
+    # end of the phase ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """No new draws from the stream; prompts already drawn are still generated."""
+        self._closed = True
+
+    def settled(self) -> bool:
+        """Closed, and every drawn prompt is a ready group (nothing leased or waiting to be generated)."""
+        return self._closed and not self._reissue and not self._leases
+
+    def drain(self) -> dict:
+        """What the next phase needs and what this one measured; the buffer is empty afterwards."""
+        ready, self._ready = self._ready, []
+        return {
+            "groups": ready, "state": self._source.state, "dropped": list(self.dropped),
+            "restarts": sum(self.registrations.values()) - len(self.registrations),
+            "rollout": dict(self.rollout_stats), "depths": list(self.depths),
+        }

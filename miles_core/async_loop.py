@@ -1,0 +1,354 @@
+"""The asynchronous phase: rollout actors and a trainer actor on Ray, K training steps.
+
+    rollout actor i ──lease prompts──► SampleBuffer (bounded, leases) ◄──take groups── trainer actor
+         ▲  generate (rollout.generate_fn), score (loop.score), deliver groups         │ loop.train
+         └──────────── weights (state dict through the object store) every k steps ───┘
+
+Each rollout actor owns one engine (`make_engine`) and loops: lease prompts, generate, score,
+deliver. The trainer takes `rollout.prompts_per_step` groups no older than its version minus
+`max_staleness` (older ones are dropped or regenerated, `async_phase.stale_policy`), trains with
+the same `loop.train` as the sync loop, and every `update_weights_interval` steps pushes its
+weights to every rollout actor; a push not acknowledged within `push_timeout_s` fails the phase.
+With partial rollout, generation runs in segments and a weight update lands between segments:
+the response continues under the new weights, and the older policy's tokens may be masked.
+Ray restarts a dead rollout actor (`max_restarts`, its `run` call retried); the buffer hands
+its leased prompts out again, so nothing drawn is lost or delivered twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import statistics
+import threading
+import time
+from collections import Counter
+
+import torch
+
+from miles_core import loop
+from miles_core.async_buffer import SampleBuffer
+from miles_core.config import AlgoConfig, AsyncConfig, HooksConfig, RewardConfig, RolloutConfig, TrainConfig
+from miles_core.data.source import DataState, Prompt
+from miles_core.plugins import plugin
+from miles_core.rollout.base import SamplingParams
+from miles_core.samples import Sample
+from miles_core.train.torch_backend import TorchTrainer
+
+ROLLOUT_ACTOR = "miles-rollout-{}"  # Ray actor names (a test kills one mid-phase by name)
+
+
+class AsyncPhaseError(RuntimeError):
+    """The phase cannot finish: a weight push timed out, the trainer starved, or an actor failed."""
+
+
+def phase_plan(iterations: int, cfg: AsyncConfig) -> list[tuple[int, int]]:
+    """[(first iteration, async steps)], async steps 0 = one sync iteration; covers every iteration."""
+    sync = {"sync": iterations, "async": 0, "mixed": cfg.sync_iterations}[cfg.schedule]
+    plan = [(it, 0) for it in range(sync)]
+    plan += [(it, min(cfg.steps_per_phase, iterations - it)) for it in range(sync, iterations, cfg.steps_per_phase)]
+    return plan
+
+
+def make_engine(rollout: RolloutConfig, policy_dir: str, version: int, threads: int):
+    """The rollout engine of one actor: the one place another backend (rollout.engine) plugs in."""
+    from miles_core.rollout.engines.torch_engine import TorchEngine
+
+    return TorchEngine(policy_dir, version, num_threads=threads)
+
+
+def load_in_memory(engine, state: dict, version: int) -> None:
+    """Weights from the trainer's state dict, without a trip through disk (embedded engine)."""
+    engine.model.load_state_dict(state)
+    engine.weight_version = version
+
+
+@dataclasses.dataclass
+class PhaseSpec:
+    """Everything one phase reads: config sections, where it starts from, and how far it goes."""
+
+    cfg: AsyncConfig
+    rollout: RolloutConfig
+    reward: RewardConfig
+    algo: AlgoConfig
+    train: TrainConfig
+    hooks: HooksConfig
+    source_fn: object  # the data.source_fn plug-point, resolved
+    seed: int  # data.seed
+    prompts: list[Prompt]
+    state: DataState
+    waiting: list[list[Sample]]  # scored groups left by the previous phase
+    ckpt_dir: str
+    policy_dir: str
+    version: int  # weight version of policy_dir (== the checkpoint's weights)
+    reference_dir: str
+    first_iteration: int
+    steps: int
+
+
+@dataclasses.dataclass
+class PhaseResult:
+    consumed: list[list[Sample]]  # one batch per training step
+    buffer: list[list[Sample]]  # scored groups not consumed, for the next phase
+    state: DataState
+    dropped: list[str]  # "draw/index" of samples dropped as too stale
+    steps: list[dict[str, float]]  # per-step metrics (training + async)
+    metrics: dict[str, float]  # phase summary
+
+
+class RolloutWorker:
+    """A Ray actor (two threads: `run` generates, `update_weights` swaps weights between segments)."""
+
+    def __init__(self, index: int, spec: PhaseSpec, buffer):
+        import ray  # actors live in Ray worker processes
+
+        from transformers import AutoTokenizer
+
+        torch.set_num_threads(spec.cfg.threads_per_actor)
+        self.index, self.spec, self.buffer = index, spec, buffer
+        self.engine = make_engine(spec.rollout, spec.policy_dir, spec.version, spec.cfg.threads_per_actor)
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.policy_dir)
+        self.generate_fn = plugin(spec.rollout, "rollout", "generate_fn")
+        self.scorer = functools.partial(loop.score, reward_fn=plugin(spec.reward, "reward", "fn"), tokenizer=self.tokenizer,
+                                        cfg=spec.reward, group_size=spec.rollout.n_samples)
+        self.lock, self.update_waiting = threading.Lock(), threading.Event()
+        latest = ray.get(buffer.register.remote(index))  # a restarted actor resumes from the newest weights
+        if latest is not None:
+            load_in_memory(self.engine, ray.get(latest[0][0]), latest[1])
+
+    def run(self) -> int:
+        """Lease, generate, score, deliver until the buffer closes; returns the number of leases served."""
+        import ray  # actors live in Ray worker processes
+
+        served, idle_since = 0, time.perf_counter()
+        while True:
+            prompts = ray.get(self.buffer.lease.remote(self.index, self.spec.cfg.prompts_per_lease))
+            if prompts is None:
+                return served
+            if not prompts:  # the buffer is full: the trainer is behind
+                time.sleep(0.02)
+                continue
+            idle, started = time.perf_counter() - idle_since, time.perf_counter()
+            samples = self._generate(prompts)
+            self.scorer(samples)
+            n = self.spec.rollout.n_samples
+            groups = [samples[i : i + n] for i in range(0, len(samples), n)]
+            stats = {"samples": len(samples), "tokens": sum(len(s.response_tokens) for s in samples),
+                     "busy_s": time.perf_counter() - started, "idle_s": idle}
+            ray.get(self.buffer.deliver.remote(self.index, groups, stats))
+            served, idle_since = served + 1, time.perf_counter()
+
+    def update_weights(self, state: dict, version: int) -> int:
+        self.update_waiting.set()  # the generating thread lets this one in at its next segment
+        try:
+            with self.lock:
+                load_in_memory(self.engine, state, version)
+        finally:
+            self.update_waiting.clear()
+        return version
+
+    @contextlib.contextmanager
+    def _engine_turn(self):
+        while self.update_waiting.is_set():
+            time.sleep(0.002)
+        with self.lock:
+            yield
+
+    def _generate(self, prompts: list[Prompt]) -> list[Sample]:
+        return generate_segmented(self.engine, prompts, self.tokenizer, self.generate_fn, self.spec.rollout, self.spec.cfg, self._engine_turn)
+
+
+def generate_segmented(engine, prompts: list[Prompt], tokenizer, generate_fn, rollout: RolloutConfig, cfg: AsyncConfig, turn) -> list[Sample]:
+    """Samples for `prompts`, generated in segments when partial rollout is on: `turn()` (a context
+    manager) holds the engine for one segment, and a weight update may land between segments, so
+    a response continues under the newer weights. Each sample's weight_version is the oldest
+    policy among the tokens it trains on; with cfg.mask_stale_tokens older tokens get loss mask 0."""
+    segment = cfg.partial_segment_tokens if cfg.partial_rollout else rollout.max_new_tokens
+    params = SamplingParams(
+        n=rollout.n_samples, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+        max_new_tokens=min(segment, rollout.max_new_tokens), stop_token_ids=(tokenizer.eos_token_id,),
+        seed=rollout.seed * 1_000_003 + prompts[0].metadata["draw"],  # a draw's sample depends on the draw and the weights
+    )
+    with turn():
+        samples, _ = generate_fn(engine, prompts, tokenizer, params)
+    versions = [[s.weight_version] * len(s.response_tokens) for s in samples]  # per response token
+    for round_ in range(1, rollout.max_new_tokens):
+        open_ = [i for i, s in enumerate(samples) if s.finish_reason == "length" and len(s.response_tokens) < rollout.max_new_tokens]
+        if not open_:
+            break
+        left = rollout.max_new_tokens - len(samples[open_[0]].response_tokens)  # open samples share one length
+        step = dataclasses.replace(params, n=1, max_new_tokens=min(segment, left), seed=params.seed + 7919 * round_)
+        with turn():
+            generations = engine.generate([samples[i].prompt_tokens + samples[i].response_tokens for i in open_], step)
+        for i, (g,) in zip(open_, generations):
+            s = samples[i]
+            s.response_tokens, s.rollout_logprobs = s.response_tokens + g.tokens, s.rollout_logprobs + g.logprobs
+            s.loss_mask, s.finish_reason = s.loss_mask + [1] * len(g.tokens), g.finish_reason
+            versions[i] += [g.weight_version] * len(g.tokens)
+    return [_versioned(s, v, cfg.mask_stale_tokens) for s, v in zip(samples, versions)]
+
+
+def _versioned(sample: Sample, versions: list[int], mask_stale: bool) -> Sample:
+    if mask_stale:
+        sample.loss_mask = [m if v == versions[-1] else 0 for m, v in zip(sample.loss_mask, versions)]
+    trained = [v for v, m in zip(versions, sample.loss_mask) if m] or versions
+    sample.weight_version = min(trained)
+    if len(set(versions)) > 1:
+        sample.metadata = {**sample.metadata, "token_versions": versions}
+    return sample
+
+
+class AsyncTrainer:
+    """A Ray actor holding the policy being optimised (and the KL reference when algo.kl_coef > 0)."""
+
+    def __init__(self, spec: PhaseSpec):
+        from transformers import AutoTokenizer
+
+        torch.set_num_threads(spec.cfg.threads_per_actor)
+        self.spec, self.version = spec, spec.version
+        self.trainer = TorchTrainer.load(spec.ckpt_dir, spec.train)
+        self.reference = TorchTrainer.from_hf(spec.reference_dir, spec.train) if spec.algo.kl_coef > 0 else None
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.ckpt_dir)
+        # reward statistics of the consumed batch: every group was scored by its rollout actor already
+        self.stats = functools.partial(loop.score, reward_fn=None, tokenizer=self.tokenizer, cfg=spec.reward, group_size=spec.rollout.n_samples)
+
+    def run(self, buffer, workers: list) -> tuple[list[list[Sample]], list[dict[str, float]]]:
+        spec, consumed, steps = self.spec, [], []
+        for i in range(spec.steps):
+            iteration = spec.first_iteration + i
+            groups, idle = self._take(buffer)
+            samples = [s for g in groups for s in g]
+            for s in samples:
+                s.metadata = {**s.metadata, "trainer_version": self.version}
+            staleness = [self.version - s.weight_version for s in samples]
+            metrics = self.stats(samples)
+            plugin(spec.hooks, "hooks", "before_train_step")(self.trainer, samples, iteration)
+            metrics.update(loop.train(self.trainer, samples, spec.algo, spec.rollout.n_samples, spec.rollout.temperature,
+                                      self.tokenizer.pad_token_id, reference=self.reference, horizon=spec.rollout.max_new_tokens))
+            plugin(spec.hooks, "hooks", "after_train_step")(self.trainer, metrics, iteration)
+            self.version += 1
+            due = (i + 1) % spec.cfg.update_weights_interval == 0 and i + 1 < spec.steps
+            metrics.update({
+                "async/trainer_idle_s": idle, "async/weight_push_s": self._push(buffer, workers) if due else 0.0,
+                "async/staleness_mean": statistics.fmean(staleness), "async/staleness_max": float(max(staleness)),
+                "async/weight_version": float(self.version), "rollout/response_length": statistics.fmean(len(s.response_tokens) for s in samples),
+            })
+            consumed.append(samples)
+            steps.append(metrics)
+        return consumed, steps
+
+    def _take(self, buffer) -> tuple[list[list[Sample]], float]:
+        import ray  # actors live in Ray worker processes
+
+        started, min_version = time.perf_counter(), self.version - self.spec.cfg.max_staleness
+        while (groups := ray.get(buffer.take.remote(self.spec.rollout.prompts_per_step, min_version))) is None:
+            waited = time.perf_counter() - started
+            if waited > self.spec.cfg.take_timeout_s:
+                raise AsyncPhaseError(f"the trainer waited {waited:.0f} s (async_phase.take_timeout_s) for {self.spec.rollout.prompts_per_step} "
+                                      f"groups of weight version >= {min_version}: are the rollout actors alive?")
+            time.sleep(0.01)
+        return groups, time.perf_counter() - started
+
+    def _push(self, buffer, workers: list) -> float:
+        import ray  # actors live in Ray worker processes
+
+        started, timeout = time.perf_counter(), self.spec.cfg.push_timeout_s
+        ref = ray.put({k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()})
+        ray.get(buffer.set_latest_weights.remote(([ref], self.version)))  # an actor restarting later starts from these
+        acks = [w.update_weights.remote(ref, self.version) for w in workers]
+        done, pending = ray.wait(acks, num_returns=len(acks), timeout=timeout)
+        if pending:
+            raise AsyncPhaseError(f"weight push of version {self.version} not acknowledged by {len(pending)} of {len(workers)} rollout "
+                                  f"actors within async_phase.push_timeout_s = {timeout} s")
+        ray.get(done)
+        return time.perf_counter() - started
+
+    def save(self, ckpt_dir: str) -> int:
+        from miles_core.weights.publish import copy_tokenizer  # the checkpoint carries its tokenizer, as the sync trainer's
+
+        self.trainer.save(ckpt_dir)
+        copy_tokenizer(self.spec.ckpt_dir, ckpt_dir)
+        plugin(self.spec.hooks, "hooks", "after_save")(ckpt_dir, self.spec.first_iteration + self.spec.steps - 1)
+        return self.trainer.step
+
+
+def run_phase(spec: PhaseSpec, ckpt_out: str) -> PhaseResult:
+    """Run spec.steps training steps on the Ray cluster this process is connected to.
+
+    Writes the trainer's checkpoint to ckpt_out; returns the consumed batches, the buffer for the
+    next phase and the metrics. Every actor is gone when it returns or raises.
+    """
+    import ray  # the async phase is the only part of the core that needs a Ray cluster
+
+    cfg, started = spec.cfg, time.perf_counter()
+    source = spec.source_fn(spec.prompts, spec.seed, spec.state)
+    take_fn = plugin(spec.rollout, "rollout", "buffer_filter_fn")
+    buffer = ray.remote(SampleBuffer).options(num_cpus=0).remote(spec.prompts, source, cfg.queue_size, cfg.stale_policy, take_fn, spec.waiting)
+    worker_cls = ray.remote(RolloutWorker)
+    workers = [
+        worker_cls.options(name=ROLLOUT_ACTOR.format(i), num_cpus=cfg.worker_cpus, max_concurrency=2, max_restarts=cfg.max_restarts, max_task_retries=-1).remote(i, spec, buffer)
+        for i in range(cfg.rollout_workers)
+    ]
+    trainer = ray.remote(AsyncTrainer).options(num_cpus=cfg.trainer_cpus).remote(spec)
+    try:
+        runs = [w.run.remote() for w in workers]
+        trained = trainer.run.remote(buffer, workers)
+        _wait_for([trained], runs)
+        consumed, steps = ray.get(trained)
+        train_s = time.perf_counter() - started
+        ray.get(buffer.close.remote())
+        _wait_for(runs, [], timeout=cfg.push_timeout_s + cfg.take_timeout_s)
+        if not ray.get(buffer.settled.remote()):
+            raise AsyncPhaseError("rollout actors stopped with prompts still leased or waiting: they would be lost")
+        step = ray.get(trainer.save.remote(ckpt_out))
+        drained = ray.get(buffer.drain.remote())
+    finally:
+        for actor in (*workers, trainer, buffer):
+            ray.kill(actor, no_restart=True)
+    metrics = _summary(consumed, drained, train_s, time.perf_counter() - started)
+    metrics["train/step"] = float(step)
+    return PhaseResult(consumed, drained["groups"], drained["state"], drained["dropped"], steps, metrics)
+
+
+def _wait_for(targets: list, watch: list, timeout: float | None = None) -> None:
+    """Wait until every ref in `targets` is done; an error in any of them or in `watch` (the
+    rollout loops) fails the phase at once instead of leaving the trainer waiting."""
+    import ray  # the async phase is the only part of the core that needs a Ray cluster
+
+    wanted, pending = {r.hex() for r in targets}, [*targets, *watch]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while any(r.hex() in wanted for r in pending):
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not done:
+            raise AsyncPhaseError(f"rollout actors did not stop within {timeout:.0f} s of the end of the phase")
+        try:
+            ray.get(done)
+        except ray.exceptions.RayError as err:
+            cause = getattr(err, "cause", None)
+            raise AsyncPhaseError(f"async phase failed: {cause if isinstance(cause, AsyncPhaseError) else err}") from None
+
+
+def _summary(consumed: list[list[Sample]], drained: dict, train_s: float, phase_s: float) -> dict[str, float]:
+    """Phase totals: throughput, staleness distribution, queue depth, idle times, restarts, drops."""
+    samples = [s for batch in consumed for s in batch]
+    staleness = Counter(s.metadata["trainer_version"] - s.weight_version for s in samples)
+    rollout, depths = drained["rollout"], drained["depths"] or [0]
+    return {
+        "async/samples_per_s": len(samples) / train_s,
+        "async/tokens_per_s": sum(len(s.response_tokens) for s in samples) / train_s,
+        "async/generated_samples_per_s": rollout.get("samples", 0) / train_s,
+        "async/generated_tokens_per_s": rollout.get("tokens", 0) / train_s,
+        "async/rollout_busy_s": rollout.get("busy_s", 0.0),
+        "async/rollout_idle_s": rollout.get("idle_s", 0.0),
+        "async/queue_depth_mean": statistics.fmean(depths),
+        "async/queue_depth_max": float(max(depths)),
+        "async/staleness_mean": sum(k * v for k, v in staleness.items()) / max(len(samples), 1),
+        **{f"async/staleness_{k}_fraction": v / len(samples) for k, v in sorted(staleness.items())},
+        "async/dropped_samples": float(len(drained["dropped"])),
+        "async/buffered_groups": float(len(drained["groups"])),
+        "async/actor_restarts": float(drained["restarts"]),
+        "time/async_train_s": train_s,
+        "time/async_phase_s": phase_s,
+    }

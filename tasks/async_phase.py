@@ -1,0 +1,76 @@
+"""The asynchronous phase as one Ray-on-Flyte task: K training steps on rollout actors and a trainer actor.
+
+On a cluster `RayJobConfig` asks KubeRay for a head and two worker groups: `rollout` (the
+rollout actors' engines) and `trainer` (the policy and its optimizer); locally the Ray plugin
+starts Ray in this process. The outputs are written under the run root like every other task's
+(checkpoint in the torch trainer's format, published policy, consumed batches, unconsumed buffer,
+data state), so sync iterations and further phases can follow, and the task is cached: a phase
+killed at any moment re-runs from its inputs, the previous phase's outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+from flytekit import Resources, task
+from flytekit.types.file import FlyteFile
+from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
+
+from containers.images import cpu_image
+from miles_core.async_loop import PhaseSpec, run_phase
+from miles_core.config import AlgoConfig, AsyncConfig, DataConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
+from miles_core.data.source import DataState, load_prompts
+from miles_core.plugins import plugin
+from miles_core.schemas import read_batch, write_batch
+from miles_core.storage import artifact_path, atomic_dir
+from miles_core.train.torch_backend import TorchTrainer
+from miles_core.weights.publish import publish
+from tasks.common import AsyncPhaseResult, Checkpoint, Dataset, Policy, cache_version, lasting_dir, lasting_file
+
+RAY_CLUSTER = RayJobConfig(
+    head_node_config=HeadNodeConfig(requests=Resources(cpu="1", mem="2Gi")),
+    worker_node_config=[
+        WorkerNodeConfig(group_name="rollout", replicas=2, requests=Resources(cpu="2", mem="4Gi")),
+        WorkerNodeConfig(group_name="trainer", replicas=1, requests=Resources(cpu="2", mem="4Gi")),
+    ],
+    shutdown_after_job_finishes=True,
+    ttl_seconds_after_finished=300,
+)
+
+
+@task(task_config=RAY_CLUSTER, cache=True, container_image=cpu_image,
+      cache_version=cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, PublishConfig))
+def async_phase(cfg: AsyncConfig, rollout: RolloutConfig, data: DataConfig, reward: RewardConfig, algo: AlgoConfig, train: TrainConfig,
+                hooks: HooksConfig, publish_cfg: PublishConfig, ckpt: Checkpoint, policy: Policy, reference: Policy, dataset: Dataset,
+                state: DataState, buffer: Optional[FlyteFile], first_iteration: int, steps: int, root: str) -> AsyncPhaseResult:
+    waiting = read_batch(buffer.path, scored=True, reward_range=(reward.min, reward.max)) if buffer is not None else []
+    spec = PhaseSpec(
+        cfg=cfg, rollout=rollout, reward=reward, algo=algo, train=train, hooks=hooks, source_fn=plugin(data, "data", "source_fn"), seed=data.seed,
+        prompts=load_prompts(dataset.train.path, data.input_key, data.label_key, data.metadata_key), state=state,
+        waiting=[waiting[i : i + rollout.n_samples] for i in range(0, len(waiting), rollout.n_samples)],
+        ckpt_dir=ckpt.dir.path, policy_dir=policy.dir.path, version=policy.version, reference_dir=reference.dir.path,
+        first_iteration=first_iteration, steps=steps,
+    )
+    out = artifact_path(root, "async", first_iteration, cfg, rollout, reward, algo, train, hooks, publish_cfg, ckpt.dir.path, policy.dir.path,
+                        state, buffer.path if buffer is not None else "", steps)
+    with atomic_dir(out) as tmp:
+        result = run_phase(spec, str(tmp / "checkpoint"))
+        for i, batch in enumerate(result.consumed):
+            write_batch(batch, tmp / "batches" / f"step-{first_iteration + i:04d}.parquet", scored=True, reward_range=(reward.min, reward.max))
+        if result.buffer:
+            write_batch([s for g in result.buffer for s in g], tmp / "buffer.parquet", scored=True, reward_range=(reward.min, reward.max))
+        version = policy.version + steps
+        ledger = {"state_before": dataclasses.asdict(state), "state_after": dataclasses.asdict(result.state), "dropped": result.dropped,
+                  "weight_versions": [version - steps, version], "metrics": result.metrics}
+        (tmp / "ledger.json").write_text(json.dumps(ledger, indent=1))  # where every drawn prompt ended, readable without Flyte
+        publish(TorchTrainer.load(str(tmp / "checkpoint"), train), str(tmp / "checkpoint"), tmp / "policy", publish_cfg.dtype, version, policy.version)
+    print(f"async phase: steps {first_iteration + 1}-{first_iteration + steps}, {result.metrics['async/samples_per_s']:.1f} samples/s, "
+          f"staleness mean {result.metrics['async/staleness_mean']:.2f}, policy v{version}")
+    return AsyncPhaseResult(
+        ckpt=Checkpoint(dir=lasting_dir(out / "checkpoint"), step=int(result.metrics["train/step"])),
+        policy=Policy(dir=lasting_dir(out / "policy"), version=version), batches=lasting_dir(out / "batches"),
+        buffer=lasting_file(out / "buffer.parquet") if result.buffer else None, state=result.state, dropped=result.dropped,
+        steps=result.steps, metrics=result.metrics,
+    )

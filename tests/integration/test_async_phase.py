@@ -1,0 +1,122 @@
+"""The async phase on a real local Ray cluster (2 CPUs): it trains, bounds staleness, accounts for
+every drawn prompt, survives a killed rollout actor, and fails clearly when a weight push times out."""
+
+import dataclasses
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from miles_core.async_buffer import draw_of, stream_position
+from miles_core.async_loop import ROLLOUT_ACTOR, AsyncPhaseError, PhaseSpec, run_phase
+from miles_core.config import load_recipe
+from miles_core.data.problems import make_addition, write_jsonl
+from miles_core.data.source import DataState, PromptSource, load_prompts
+from miles_core.models.tiny import build_tiny_model
+from miles_core.train.sft import demonstrations, run_sft, sft_train_config
+from miles_core.train.torch_backend import TorchTrainer
+from miles_core.weights.publish import copy_tokenizer, publish
+from tests.conftest import REPO
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """The smoke recipe's model after a short SFT (so groups have reward variance), as policy and checkpoint."""
+    from transformers import AutoTokenizer
+
+    cfg = load_recipe(REPO / "recipes" / "smoke_async.yaml", {"sft": {"steps": 80}})
+    root = tmp_path_factory.mktemp("async")
+    base = build_tiny_model(cfg.model, str(root / "base"))
+    train_rows, _ = make_addition(cfg.data)
+    write_jsonl(train_rows, root / "train.jsonl")
+    prompts = load_prompts(root / "train.jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    trainer = TorchTrainer.from_hf(base, sft_train_config(cfg.sft))
+    run_sft(trainer, demonstrations(prompts, tokenizer), cfg.sft, tokenizer.pad_token_id)
+    publish(trainer, base, root / "policy", "float32", version=1, parent_version=0)
+    TorchTrainer.from_hf(str(root / "policy"), cfg.train).save(str(root / "ckpt"))
+    copy_tokenizer(base, root / "ckpt")
+    return cfg, prompts, root
+
+
+def spec_for(start, **async_overrides) -> PhaseSpec:
+    cfg, prompts, root = start
+    return PhaseSpec(
+        cfg=dataclasses.replace(cfg.async_phase, **async_overrides), rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, train=cfg.train,
+        hooks=cfg.hooks, source_fn=PromptSource, seed=cfg.data.seed, prompts=prompts, state=DataState(), waiting=[],
+        ckpt_dir=str(root / "ckpt"), policy_dir=str(root / "policy"), version=1, reference_dir=str(root / "policy"), first_iteration=0, steps=3,
+    )
+
+
+def assert_every_draw_ends_once(spec: PhaseSpec, result) -> None:
+    """Each prompt drawn in the phase is consumed, dropped or buffered: every one of its samples, exactly once."""
+    ended = [f"{draw_of(s)}/{s.index}" for batch in result.consumed for s in batch]
+    ended += result.dropped + [f"{draw_of(s)}/{s.index}" for g in result.buffer for s in g]
+    drawn = range(stream_position(spec.state, len(spec.prompts)), stream_position(result.state, len(spec.prompts)))
+    assert Counter(ended) == Counter(f"{d}/{i}" for d in drawn for i in range(spec.rollout.n_samples))
+
+
+def test_async_phase_trains_within_the_staleness_bound(cluster, start, tmp_path):
+    spec = spec_for(start, update_weights_interval=1, max_staleness=1, partial_rollout=True, mask_stale_tokens=True)
+    result = run_phase(spec, str(tmp_path / "ckpt"))
+    assert len(result.consumed) == 3 and all(len(b) == spec.rollout.prompts_per_step * spec.rollout.n_samples for b in result.consumed)
+    assert result.metrics["train/step"] == 3 * spec.train.mini_batches
+    before = TorchTrainer.load(spec.ckpt_dir, spec.train).model.state_dict()
+    after = TorchTrainer.load(str(tmp_path / "ckpt"), spec.train).model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the policy moved
+    for batch in result.consumed:
+        for s in batch:
+            assert s.weight_version >= s.metadata["trainer_version"] - spec.cfg.max_staleness
+            assert 1 <= s.weight_version <= s.metadata["trainer_version"]
+    assert {s.metadata["trainer_version"] for s in result.consumed[-1]} == {3}
+    assert max(s.weight_version for s in result.consumed[-1]) >= 2  # the pushed weights were used
+    for key in ("async/samples_per_s", "async/tokens_per_s", "async/queue_depth_mean", "async/rollout_idle_s", "async/staleness_mean"):
+        assert key in result.metrics
+    assert all({"async/weight_push_s", "async/trainer_idle_s", "train/loss", "reward/mean"} <= set(m) for m in result.steps)
+    assert_every_draw_ends_once(spec, result)
+
+
+def test_a_killed_rollout_actor_is_restarted_and_nothing_is_lost(cluster, start, tmp_path):
+    spec = spec_for(start, update_weights_interval=2, max_staleness=3, stale_policy="regenerate")
+    killed = threading.Event()
+
+    def kill_first_actor():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed.is_set():
+            try:
+                actor = ray.get_actor(ROLLOUT_ACTOR.format(0))
+            except ValueError:  # not created yet
+                time.sleep(0.2)
+                continue
+            ray.get(actor.__ray_ready__.remote())  # constructed: registered with the buffer, about to generate
+            ray.kill(actor, no_restart=False)  # the process dies mid-phase, Ray restarts it
+            killed.set()
+
+    killer = threading.Thread(target=kill_first_actor, daemon=True)
+    killer.start()
+    result = run_phase(spec, str(tmp_path / "ckpt"))
+    killer.join()
+    assert killed.is_set()
+    assert result.metrics["async/actor_restarts"] >= 1, result.metrics
+    assert len(result.consumed) == spec.steps
+    assert_every_draw_ends_once(spec, result)
+
+
+def test_a_weight_push_that_times_out_fails_the_phase_clearly(cluster, start, tmp_path):
+    spec = spec_for(start, push_timeout_s=1e-4)
+    started = time.monotonic()
+    with pytest.raises(AsyncPhaseError, match=r"weight push of version 2 not acknowledged by 2 of 2 rollout actors within async_phase\.push_timeout_s"):
+        run_phase(spec, str(tmp_path / "ckpt"))
+    assert time.monotonic() - started < 300

@@ -1,0 +1,91 @@
+"""The async phase's bounded, leased buffer and its schedule, without Ray (plain Python objects)."""
+
+import pytest
+
+from miles_core.algos.filters import oldest_first
+from miles_core.async_buffer import SampleBuffer, draw_of
+from miles_core.async_loop import phase_plan
+from miles_core.config import AsyncConfig, ConfigError, RunConfig
+from miles_core.data.source import DataState, Prompt, PromptSource
+from miles_core.samples import Sample
+
+PROMPTS = [Prompt(id=f"p{i}", text=f"{i}+1=", label=str(i + 1)) for i in range(5)]
+
+
+def buffer(capacity=4, policy="drop", waiting=()):
+    return SampleBuffer(PROMPTS, PromptSource(PROMPTS, seed=0), capacity, policy, oldest_first, list(waiting))
+
+
+def group(prompt: Prompt, version: int, n=2):
+    return [Sample(prompt.id, i, [1], [2], [-0.5], [1], "stop", version, prompt.label, dict(prompt.metadata), 1.0) for i in range(n)]
+
+
+def test_draws_are_numbered_by_stream_position_and_the_bound_holds():
+    b = buffer(capacity=4)
+    first = b.lease(0, 3)
+    assert [p.metadata["draw"] for p in first] == [0, 1, 2]
+    assert [p.metadata["draw"] for p in b.lease(1, 3)] == [3]  # 3 leased + 1 = capacity
+    assert b.lease(2, 1) == []  # full: the rollout actor waits
+    b.deliver(0, [group(p, 1) for p in first], {"samples": 6})
+    assert b.lease(2, 1) == []  # delivered groups still count until the trainer takes them
+    assert len(b.take(3, min_version=0)) == 3
+    assert [p.metadata["draw"] for p in b.lease(2, 5)] == [4, 5, 6]  # into the next epoch: positions keep counting
+    assert b.drain()["state"] == DataState(epoch=1, offset=2)
+
+
+def test_a_restarted_actor_gets_its_lease_handed_out_again():
+    b = buffer()
+    b.register(0)
+    lost = b.lease(0, 2)
+    b.set_latest_weights(("weights", 3))
+    assert b.register(0) == ("weights", 3)  # the restart starts from the newest weights
+    again = b.lease(1, 2)
+    assert [p.metadata["draw"] for p in again] == [p.metadata["draw"] for p in lost]
+    with pytest.raises(RuntimeError, match="delivered draws \\[0\\] for its lease \\[0, 1\\]"):
+        b.deliver(1, [group(again[0], 1)], {})
+    assert b.drain()["restarts"] == 1
+
+
+def test_stale_groups_are_dropped_or_regenerated():
+    dropping, regenerating = buffer(policy="drop"), buffer(policy="regenerate")
+    for b in (dropping, regenerating):
+        prompts = b.lease(0, 2)
+        b.deliver(0, [group(prompts[0], 1), group(prompts[1], 3)], {})
+        assert b.take(2, min_version=2) is None  # one fresh group only
+    assert dropping.drain()["dropped"] == ["0/0", "0/1"]
+    assert [p.metadata["draw"] for p in regenerating.lease(1, 1)] == [0]  # generated again, same draw
+
+
+def test_closing_stops_new_draws_but_finishes_what_was_drawn():
+    b = buffer(waiting=[group(PROMPTS[4], 0)])
+    leased = b.lease(0, 1)
+    b.close()
+    assert not b.settled()
+    assert b.lease(1, 1) is None  # nothing left to hand out
+    b.deliver(0, [group(leased[0], 1)], {})
+    assert b.settled()
+    drained = b.drain()
+    assert [draw_of(g) for g in drained["groups"]] == [-1, 0] and drained["state"] == DataState(0, 1)
+
+
+def test_phase_plan_covers_every_iteration():
+    assert phase_plan(3, AsyncConfig()) == [(0, 0), (1, 0), (2, 0)]
+    assert phase_plan(7, AsyncConfig(schedule="async", steps_per_phase=3)) == [(0, 3), (3, 3), (6, 1)]
+    assert phase_plan(5, AsyncConfig(schedule="mixed", sync_iterations=2, steps_per_phase=2)) == [(0, 0), (1, 0), (2, 2), (4, 1)]
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"update_weights_interval": 3, "max_staleness": 1}, "async_phase.max_staleness"),
+    ({"stale_policy": "keep"}, "async_phase.stale_policy"),
+    ({"schedule": "sometimes"}, "async_phase.schedule"),
+    ({"sync_iterations": 2}, "async_phase.sync_iterations"),
+    ({"push_timeout_s": 0}, "async_phase.push_timeout_s"),
+])
+def test_bad_async_settings_name_their_key(values, key):
+    with pytest.raises(ConfigError, match=key):
+        AsyncConfig(**values)
+
+
+def test_queue_must_hold_a_step():
+    with pytest.raises(ConfigError, match="async_phase.queue_size: must be >= rollout.prompts_per_step"):
+        RunConfig(async_phase=AsyncConfig(schedule="async", queue_size=8, prompts_per_lease=4))
