@@ -112,12 +112,35 @@ def _model_config(cfg: ModelConfig, tokenizer) -> transformers.PretrainedConfig:
     )
     if cfg.arch == "qwen2":
         return transformers.Qwen2Config(**common)
+    if cfg.arch in _MORE_ARCHS:
+        return _MORE_ARCHS[cfg.arch][0](cfg, common)
     return transformers.Qwen3Config(head_dim=cfg.hidden_size // cfg.num_heads, **common)
+
+
+def _llama_config(cfg: ModelConfig, common: dict) -> transformers.PretrainedConfig:
+    # untied output layer: the architecture's usual choice, and the other half of the conversion tests
+    return transformers.LlamaConfig(head_dim=cfg.hidden_size // cfg.num_heads, **{**common, "tie_word_embeddings": False})
+
+
+def _qwen3_moe_config(cfg: ModelConfig, common: dict) -> transformers.PretrainedConfig:
+    return transformers.Qwen3MoeConfig(
+        head_dim=cfg.hidden_size // cfg.num_heads, num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_top_k,
+        moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        **{**common, "tie_word_embeddings": False},
+    )
+
+
+# arch -> (config builder, model class) for the architectures beyond qwen2/qwen3
+_MORE_ARCHS = {
+    "llama": (_llama_config, transformers.LlamaForCausalLM),
+    "qwen3_moe": (_qwen3_moe_config, transformers.Qwen3MoeForCausalLM),
+}
 
 
 def _init_model(cfg: ModelConfig, tokenizer) -> transformers.PreTrainedModel:
     config = _model_config(cfg, tokenizer)
     model_cls = transformers.Qwen2ForCausalLM if cfg.arch == "qwen2" else transformers.Qwen3ForCausalLM
+    model_cls = _MORE_ARCHS[cfg.arch][1] if cfg.arch in _MORE_ARCHS else model_cls
     # Fork the RNG so seeding here does not disturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)

@@ -1,0 +1,174 @@
+"""HF safetensors <-> Megatron distributed checkpoints (torch_dist, via `dist_checkpointing`).
+
+A megatron checkpoint directory holds:
+  config.json      the HF config of the model (what ArchSpec is read from)
+  model/           the torch_dist checkpoint: {"model": GPTModel state[, "optimizer": ...]}
+  trainer_state.json, rng/   (written by the trainer: step, parallel sizes, per-rank RNG)
+  tokenizer files  copied beside, as for every checkpoint of the project
+
+`dist_checkpointing` reshards on load, so a checkpoint saved at TP=2 loads at TP=1 (or at other
+PP/EP sizes).  Conversion runs in one process (a world of one): HF -> unsharded GPTModel ->
+torch_dist, and back.  `local_state` / `gather_full_state` move between the unsharded state and one
+rank's shards in memory (for the trainer's `from_hf` and `export_hf`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from miles_core.checkpoint.hf_megatron import ArchSpec, hf_to_megatron, megatron_to_hf, read_arch
+from miles_core.train.megatron.model import Parallel, build_model, init_parallel
+
+MODEL_DIR = "model"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    if not state:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights")
+    return state
+
+
+def _layer_offset(model) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # optional backend
+
+    return get_transformer_layer_offset(model.config)
+
+
+def _global_name(model, name: str) -> str:
+    """This rank's parameter name -> the unsharded model's name (pipeline layer offset, expert index)."""
+    from megatron.core import parallel_state
+
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + _layer_offset(model))
+    if "local_experts" in parts:
+        i = parts.index("local_experts") + 1
+        local = model.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        parts[i] = str(parallel_state.get_expert_model_parallel_rank() * local + int(parts[i]))
+    return ".".join(parts)
+
+
+def _tp_group(name: str):
+    from megatron.core import parallel_state
+
+    if "local_experts" in name:
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _is_gated_fc1(name: str) -> bool:
+    return name.endswith("linear_fc1.weight")  # every supported architecture uses SwiGLU: [gate; up]
+
+
+def _shard(name: str, param, full: torch.Tensor) -> torch.Tensor:
+    group = _tp_group(name)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if _is_gated_fc1(name):  # each rank holds [its gate rows; its up rows]
+        return torch.cat([half.chunk(size, dim)[rank] for half in full.chunk(2, dim)], dim)
+    return full.chunk(size, dim)[rank]
+
+
+def _unshard(name: str, param) -> torch.Tensor:
+    group = _tp_group(name)
+    size = dist.get_world_size(group)
+    local = param.detach()
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local.clone()
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    dim = param.partition_dim
+    if _is_gated_fc1(name):
+        halves = [s.chunk(2, dim) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+    return torch.cat(shards, dim)
+
+
+def _source_name(spec: ArchSpec, name: str) -> str:
+    # a tied output layer on the last pipeline stage is a copy of the embedding
+    return "embedding.word_embeddings.weight" if name == "output_layer.weight" and spec.tied_embeddings else name
+
+
+@torch.no_grad()
+def load_full_state(model, spec: ArchSpec, full: dict[str, torch.Tensor]) -> None:
+    """Copy an unsharded GPTModel state into this rank's shards of `model` (an unwrapped GPTModel)."""
+    for name, param in model.named_parameters():
+        param.copy_(_shard(name, param, full[_source_name(spec, _global_name(model, name))]))
+
+
+@torch.no_grad()
+def gather_full_state(model, spec: ArchSpec) -> dict[str, torch.Tensor]:
+    """The unsharded GPTModel state, on every rank (collective over the whole world)."""
+    mine = {}
+    for name, param in model.named_parameters():
+        full = _unshard(name, param)
+        key = _global_name(model, name)
+        if not (key == "output_layer.weight" and spec.tied_embeddings):
+            mine[key] = full
+    if dist.get_world_size() == 1:
+        return mine
+    everyone: list[dict] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)  # pipeline stages and expert ranks hold different names
+    return {k: v for part in everyone for k, v in part.items()}
+
+
+def save_torch_dist(state: dict, ckpt_dir: str | Path) -> None:
+    """Save a sharded state dict ({"model": model.sharded_state_dict(), ...}) under ckpt_dir/model."""
+    from megatron.core import dist_checkpointing  # optional backend: imported where used
+
+    out = Path(ckpt_dir) / MODEL_DIR
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, str(out))
+
+
+def load_torch_dist(state: dict, ckpt_dir: str | Path) -> dict:
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(state, str(Path(ckpt_dir) / MODEL_DIR))
+
+
+def hf_to_torch_dist(hf_dir: str | Path, ckpt_dir: str | Path, seed: int = 0) -> ArchSpec:
+    """Convert an HF checkpoint to a torch_dist checkpoint (model only) in one process."""
+    spec = read_arch(hf_dir)
+    init_parallel(Parallel(), seed)
+    model = build_model(spec, Parallel())
+    load_full_state(model, spec, {k: v.float() for k, v in hf_to_megatron(spec, read_hf_state(hf_dir)).items()})
+    save_torch_dist({"model": model.sharded_state_dict()}, ckpt_dir)
+    shutil.copy2(Path(hf_dir) / "config.json", Path(ckpt_dir) / "config.json")
+    return spec
+
+
+def load_megatron_model(ckpt_dir: str | Path, parallel: Parallel = Parallel(), seed: int = 0):
+    """This rank's GPTModel with the checkpoint's weights, at any parallel sizes."""
+    spec = read_arch(ckpt_dir)
+    init_parallel(parallel, seed)
+    model = build_model(spec, parallel)
+    model.load_state_dict(load_torch_dist({"model": model.sharded_state_dict()}, ckpt_dir)["model"], strict=False)
+    return model, spec
+
+
+def write_hf(spec: ArchSpec, full: dict[str, torch.Tensor], config_dir: str | Path, out_dir: str | Path, dtype: str) -> None:
+    """An HF safetensors directory from an unsharded GPTModel state (config.json copied from config_dir)."""
+    hf = {k: v.to(_DTYPES[dtype]).contiguous() for k, v in megatron_to_hf(spec, full).items()}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    save_file(hf, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy2(Path(config_dir) / "config.json", Path(out_dir) / "config.json")
+
+
+def torch_dist_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> None:
+    """Export a torch_dist checkpoint (any TP/PP/EP it was saved at) as HF safetensors, in one process."""
+    model, spec = load_megatron_model(ckpt_dir)
+    write_hf(spec, gather_full_state(model, spec), ckpt_dir, out_dir, dtype)

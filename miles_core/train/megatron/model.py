@@ -1,0 +1,112 @@
+"""The megatron backend's entry point: process groups, the GPTModel of an ArchSpec, DDP and optimizer.
+
+Everything megatron-related in the project starts here: `init_parallel` activates the CPU
+compatibility layer (only when no GPU is present) before any megatron-core module runs.
+The model uses the local layer spec (megatron-core's own modules), so TransformerEngine and Apex
+are optional: used on GPU nodes that have them, never required.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from miles_core.checkpoint.hf_megatron import ArchSpec
+from miles_core.train.megatron import cpu_compat
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Model-parallel sizes; data parallel is what is left of the world."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(parallel: Parallel, seed: int) -> None:
+    """Join (or, in a plain process, create a one-rank) gloo/nccl group and megatron's parallel groups."""
+    cpu_compat.activate()
+    from megatron.core import parallel_state, tensor_parallel  # optional backend: imported where used
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a plain process (convert, publish, tests): a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    world = dist.get_world_size()
+    model_parallel = parallel.tensor * parallel.pipeline
+    if world % model_parallel or (world // parallel.pipeline) % parallel.expert:
+        raise ValueError(f"world size {world} does not fit tensor={parallel.tensor} x pipeline={parallel.pipeline} (x expert={parallel.expert})")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
+        expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=1,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype, routing_replay: bool = False):
+    from megatron.core.transformer import TransformerConfig
+
+    moe = dict(
+        num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_top_k, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_pre_softmax=not spec.moe_renormalize,  # softmax over all experts, then top-k, unless renormalised
+        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_enable_routing_replay=routing_replay,
+    ) if spec.num_experts else {}
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(), params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
+        expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=1, sequence_parallel=False, **moe,
+    )
+
+
+def build_model(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype = torch.float32, routing_replay: bool = False):
+    """This rank's GPTModel stage (local layer spec, rotary positions, vocabulary padded for TP)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(spec, parallel, dtype, routing_replay)
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    return GPTModel(
+        config, layer_spec, vocab_size=spec.padded_vocab_size, max_sequence_length=spec.max_positions,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tied_embeddings, position_embedding_type="rope", rotary_base=int(spec.rope_theta),
+    )
+
+
+def wrap_ddp(model, bucket_size: int | None = None):
+    """megatron DDP with grads reduced in fp32, set up for the distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True, bucket_size=bucket_size)
+    return DistributedDataParallel(model.config, ddp_config, model)
+
+
+def build_optimizer(ddp_model, lr: float, weight_decay: float, betas: tuple[float, float], grad_clip: float):
+    """Adam(W) sharded over data-parallel ranks (the distributed optimizer), with grad clipping."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=1e-8,
+        clip_grad=grad_clip, use_distributed_optimizer=True, bf16=ddp_model.config.bf16, params_dtype=ddp_model.config.params_dtype,
+    )
+    return get_megatron_optimizer(config, [ddp_model])
