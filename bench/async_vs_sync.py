@@ -6,9 +6,13 @@ and train the same number of steps on the same number of samples:
 * sync: rollout -> score -> train -> weights into the engine, in one process, one after another
   (the looped DAG's compute without its per-task overhead: the fairest sync baseline);
 * async: `run_phase` on a local Ray cluster: rollout actors generate while the trainer trains.
-Throughput is consumed samples (and their response tokens) per second of wall time, over all
-steps (async: including the actors' start-up) and in steady state (steps 2..K). The reward is the
-mean training reward of the last steps and the held-out greedy accuracy after the last step.
+Throughput is consumed samples (and their response tokens) per second over the training run,
+from the first rollout to the end of the last step; start-up (sync: engine and trainer loading;
+async: starting the Ray actors) is reported apart, as is the async phase's whole wall time. Rollout
+actors start generating while the trainer actor loads, so the async run may begin with up to
+`queue_size` groups ready: use K well above queue_size / prompts_per_step. The reward is the mean
+training reward of the last three steps and the held-out greedy accuracy after the last step.
+Both sides use `--threads` torch threads per process (sync: one process; async: each actor).
 
     python bench/async_vs_sync.py [--recipe recipes/smoke_async.yaml] [--steps 8] [key=value ...]
 """
@@ -52,21 +56,21 @@ def prepare(cfg):
     return start, dataset, ckpt
 
 
-def run_sync(cfg, start, prompts, ckpt_dir: str, steps: int):
-    torch.set_num_threads(2)
-    engine = make_engine(cfg.rollout, start.dir.path, start.version, threads=2)
+def run_sync(cfg, start, prompts, ckpt_dir: str, steps: int, threads: int):
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    engine = make_engine(cfg.rollout, start.dir.path, start.version, threads=threads)
     trainer, tokenizer = TorchTrainer.load(ckpt_dir, cfg.train), AutoTokenizer.from_pretrained(ckpt_dir)
     source = plugin(cfg.data, "data", "source_fn")(prompts, cfg.data.seed, DataState())
     scorer = functools.partial(loop.score, reward_fn=plugin(cfg.reward, "reward", "fn"), tokenizer=tokenizer, cfg=cfg.reward, group_size=cfg.rollout.n_samples)
-    records = []
+    ready, consumed, rewards = time.perf_counter(), [], []
     for step in range(steps):
-        started = time.perf_counter()
         samples, _, _ = loop.rollout(engine, source, tokenizer, cfg.rollout, scorer, [], cfg.rollout.seed * 1_000_003 + step)
-        metrics = scorer(samples)
+        rewards.append(scorer(samples)["reward/mean"])
         loop.train(trainer, samples, cfg.algo, cfg.rollout.n_samples, cfg.rollout.temperature, tokenizer.pad_token_id, horizon=cfg.rollout.max_new_tokens)
         load_in_memory(engine, trainer.model.state_dict(), start.version + step + 1)
-        records.append((time.perf_counter() - started, len(samples), sum(len(s.response_tokens) for s in samples), metrics["reward/mean"]))
-    return records, engine
+        consumed.append(samples)
+    return summary(consumed, rewards, ready - started, time.perf_counter() - ready), engine
 
 
 def run_async(cfg, start, prompts, ckpt_dir: str, steps: int, out: str):
@@ -75,23 +79,21 @@ def run_async(cfg, start, prompts, ckpt_dir: str, steps: int, out: str):
         source_fn=plugin(cfg.data, "data", "source_fn"), seed=cfg.data.seed, prompts=prompts, state=DataState(), waiting=[],
         ckpt_dir=ckpt_dir, policy_dir=start.dir.path, version=start.version, reference_dir=start.dir.path, first_iteration=0, steps=steps,
     )
-    started = time.perf_counter()
     result = run_phase(spec, out)
-    wall = time.perf_counter() - started
-    records = [(m["async/trainer_idle_s"] + m["time/train_s"] + m["async/weight_push_s"], len(b), sum(len(s.response_tokens) for s in b), m["reward/mean"])
-               for m, b in zip(result.steps, result.consumed)]
-    engine = make_engine(cfg.rollout, out, start.version + steps, threads=2)
-    return records, wall, result.metrics, engine
+    m = result.metrics
+    out_summary = summary(result.consumed, [s["reward/mean"] for s in result.steps], m["time/async_startup_s"], m["time/async_train_s"])
+    out_summary.update({k.split("/")[1]: round(v, 3) for k, v in m.items() if k.startswith("async/") and "_per_s" not in k})
+    out_summary["phase_wall_s"] = round(m["time/async_phase_s"], 1)  # start-up + run + finishing (buffer drained, checkpoint saved)
+    return out_summary, make_engine(cfg.rollout, out, start.version + steps, threads=2)
 
 
-def throughput(records, wall=None) -> dict:
-    steady = records[1:]
-    seconds = sum(r[0] for r in steady)
-    total = wall if wall is not None else sum(r[0] for r in records)
+def summary(consumed, rewards, startup_s: float, run_s: float) -> dict:
+    """Throughput over the training run (first rollout to last step), start-up apart."""
+    samples = sum(len(b) for b in consumed)
+    tokens = sum(len(s.response_tokens) for b in consumed for s in b)
     return {
-        "samples_per_s": round(sum(r[1] for r in records) / total, 2), "tokens_per_s": round(sum(r[2] for r in records) / total, 1),
-        "steady_samples_per_s": round(sum(r[1] for r in steady) / seconds, 2), "steady_tokens_per_s": round(sum(r[2] for r in steady) / seconds, 1),
-        "final_reward": round(statistics.fmean(r[3] for r in records[-3:]), 3), "samples": sum(r[1] for r in records), "wall_s": round(total, 1),
+        "samples_per_s": round(samples / run_s, 2), "tokens_per_s": round(tokens / run_s, 1), "run_s": round(run_s, 2),
+        "startup_s": round(startup_s, 1), "samples": samples, "final_reward": round(statistics.fmean(rewards[-3:]), 3),
     }
 
 
@@ -103,7 +105,8 @@ def held_out(cfg, engine, dataset, tokenizer) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", default="recipes/smoke_async.yaml")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     args = parser.parse_args()
     root = Path(os.environ["HOME"]) / "runs"
@@ -113,20 +116,18 @@ def main() -> None:
     start, dataset, ckpt = prepare(cfg)
     prompts = load_prompts(dataset.train.path, cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key)
     tokenizer = AutoTokenizer.from_pretrained(start.dir.path)
-    sync_records, sync_engine = run_sync(cfg, start, prompts, ckpt.dir.path, args.steps)
+    cfg = dataclasses.replace(cfg, async_phase=dataclasses.replace(cfg.async_phase, threads_per_actor=args.threads))
+    sync, sync_engine = run_sync(cfg, start, prompts, ckpt.dir.path, args.steps, args.threads)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    async_records, wall, metrics, async_engine = run_async(cfg, start, prompts, ckpt.dir.path, args.steps, str(root / "async-ckpt"))
+    async_, async_engine = run_async(cfg, start, prompts, ckpt.dir.path, args.steps, str(root / "async-ckpt"))
     ray.shutdown()
-    sync, async_ = throughput(sync_records), throughput(async_records, wall)
     sync["held_out_accuracy"], async_["held_out_accuracy"] = held_out(cfg, sync_engine, dataset, tokenizer), held_out(cfg, async_engine, dataset, tokenizer)
-    async_.update({k.split("/")[1]: round(v, 3) for k, v in metrics.items() if k.startswith("async/staleness") or k in ("async/queue_depth_mean", "async/rollout_idle_s", "async/dropped_samples")})
     print(json.dumps({
-        "bench": "async_vs_sync", "recipe": args.recipe, "steps": args.steps, "overrides": args.overrides,
+        "bench": "async_vs_sync", "recipe": args.recipe, "steps": args.steps, "overrides": args.overrides, "threads_per_process": args.threads,
         "rollout_workers": cfg.async_phase.rollout_workers, "cores": os.cpu_count(),
         "sync": sync, "async": async_,
         "ratio_samples_per_s": round(async_["samples_per_s"] / sync["samples_per_s"], 2),
-        "ratio_steady_samples_per_s": round(async_["steady_samples_per_s"] / sync["steady_samples_per_s"], 2),
-        "ratio_steady_tokens_per_s": round(async_["steady_tokens_per_s"] / sync["steady_tokens_per_s"], 2),
+        "ratio_tokens_per_s": round(async_["tokens_per_s"] / sync["tokens_per_s"], 2),
         "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }))
 

@@ -59,7 +59,6 @@ class SampleBuffer:
         self.dropped: list[str] = []  # "draw/index" of samples dropped as too stale
         self.registrations: Counter = Counter()
         self.rollout_stats: Counter = Counter()  # summed over deliveries: samples, tokens, busy/idle seconds
-        self.depths: list[int] = []  # ready groups seen by each take
 
     # rollout side -------------------------------------------------------------------------------
     def register(self, worker: int):
@@ -103,14 +102,15 @@ class SampleBuffer:
         self._latest_weights = weights
 
     # trainer side -------------------------------------------------------------------------------
-    def take(self, n: int, min_version: int) -> list[Group] | None:
-        """n groups no older than min_version, or None if fewer are ready; older ones are dropped or regenerated first."""
+    def take(self, n: int, min_version: int) -> tuple[list[Group] | None, int]:
+        """(n groups no older than min_version, or None if fewer are ready; the queue depth before
+        taking); older groups are dropped or regenerated first."""
         self._evict_older_than(min_version)
-        self.depths.append(len(self._ready))
-        if len(self._ready) < n:
-            return None
+        depth = len(self._ready)
+        if depth < n:
+            return None, depth
         taken, self._ready = self._take_fn(self._ready, n)
-        return taken
+        return taken, depth
 
     def _evict_older_than(self, min_version: int) -> None:
         stale = [g for g in self._ready if group_version(g) < min_version]
@@ -142,5 +142,5 @@ class SampleBuffer:
         return {
             "groups": ready, "state": self._source.state, "dropped": list(self.dropped),
             "restarts": sum(self.registrations.values()) - len(self.registrations),
-            "rollout": dict(self.rollout_stats), "depths": list(self.depths),
+            "rollout": dict(self.rollout_stats),
         }

@@ -217,7 +217,7 @@ class AsyncTrainer:
         spec, consumed, steps = self.spec, [], []
         for i in range(spec.steps):
             iteration = spec.first_iteration + i
-            groups, idle = self._take(buffer)
+            groups, depth, idle = self._take(buffer)
             samples = [s for g in groups for s in g]
             for s in samples:
                 s.metadata = {**s.metadata, "trainer_version": self.version}
@@ -230,7 +230,7 @@ class AsyncTrainer:
             self.version += 1
             due = (i + 1) % spec.cfg.update_weights_interval == 0 and i + 1 < spec.steps
             metrics.update({
-                "async/trainer_idle_s": idle, "async/weight_push_s": self._push(buffer, workers) if due else 0.0,
+                "async/trainer_idle_s": idle, "async/weight_push_s": self._push(buffer, workers) if due else 0.0, "async/queue_depth": float(depth),
                 "async/staleness_mean": statistics.fmean(staleness), "async/staleness_max": float(max(staleness)),
                 "async/weight_version": float(self.version), "rollout/response_length": statistics.fmean(len(s.response_tokens) for s in samples),
             })
@@ -238,17 +238,17 @@ class AsyncTrainer:
             steps.append(metrics)
         return consumed, steps
 
-    def _take(self, buffer) -> tuple[list[list[Sample]], float]:
+    def _take(self, buffer) -> tuple[list[list[Sample]], int, float]:
         import ray  # actors live in Ray worker processes
 
         started, min_version = time.perf_counter(), self.version - self.spec.cfg.max_staleness
-        while (groups := ray.get(buffer.take.remote(self.spec.rollout.prompts_per_step, min_version))) is None:
+        while (taken := ray.get(buffer.take.remote(self.spec.rollout.prompts_per_step, min_version)))[0] is None:
             waited = time.perf_counter() - started
             if waited > self.spec.cfg.take_timeout_s:
                 raise AsyncPhaseError(f"the trainer waited {waited:.0f} s (async_phase.take_timeout_s) for {self.spec.rollout.prompts_per_step} "
                                       f"groups of weight version >= {min_version}: are the rollout actors alive?")
             time.sleep(0.01)
-        return groups, time.perf_counter() - started
+        return taken[0], taken[1], time.perf_counter() - started
 
     def _push(self, buffer, workers: list) -> float:
         import ray  # actors live in Ray worker processes
@@ -285,18 +285,21 @@ def run_phase(spec: PhaseSpec, ckpt_out: str) -> PhaseResult:
     source = spec.source_fn(spec.prompts, spec.seed, spec.state)
     take_fn = plugin(spec.rollout, "rollout", "buffer_filter_fn")
     buffer = ray.remote(SampleBuffer).options(num_cpus=0).remote(spec.prompts, source, cfg.queue_size, cfg.stale_policy, take_fn, spec.waiting)
+    spec_ref = ray.put(spec)  # held until the phase ends: a restarting actor reads its arguments again
     worker_cls = ray.remote(RolloutWorker)
     workers = [
-        worker_cls.options(name=ROLLOUT_ACTOR.format(i), num_cpus=cfg.worker_cpus, max_concurrency=2, max_restarts=cfg.max_restarts, max_task_retries=-1).remote(i, spec, buffer)
+        worker_cls.options(name=ROLLOUT_ACTOR.format(i), num_cpus=cfg.worker_cpus, max_concurrency=2, max_restarts=cfg.max_restarts, max_task_retries=-1).remote(i, spec_ref, buffer)
         for i in range(cfg.rollout_workers)
     ]
-    trainer = ray.remote(AsyncTrainer).options(num_cpus=cfg.trainer_cpus).remote(spec)
+    trainer = ray.remote(AsyncTrainer).options(num_cpus=cfg.trainer_cpus).remote(spec_ref)
     try:
         runs = [w.run.remote() for w in workers]
+        _wait_for([trainer.__ray_ready__.remote()], runs)
+        ready = time.perf_counter()
         trained = trainer.run.remote(buffer, workers)
         _wait_for([trained], runs)
         consumed, steps = ray.get(trained)
-        train_s = time.perf_counter() - started
+        train_s = time.perf_counter() - ready
         ray.get(buffer.close.remote())
         _wait_for(runs, [], timeout=cfg.push_timeout_s + cfg.take_timeout_s)
         if not ray.get(buffer.settled.remote()):
@@ -306,8 +309,8 @@ def run_phase(spec: PhaseSpec, ckpt_out: str) -> PhaseResult:
     finally:
         for actor in (*workers, trainer, buffer):
             ray.kill(actor, no_restart=True)
-    metrics = _summary(consumed, drained, train_s, time.perf_counter() - started)
-    metrics["train/step"] = float(step)
+    metrics = _summary(consumed, steps, drained, train_s)
+    metrics.update({"train/step": float(step), "time/async_startup_s": ready - started, "time/async_phase_s": time.perf_counter() - started})
     return PhaseResult(consumed, drained["groups"], drained["state"], drained["dropped"], steps, metrics)
 
 
@@ -330,11 +333,12 @@ def _wait_for(targets: list, watch: list, timeout: float | None = None) -> None:
             raise AsyncPhaseError(f"async phase failed: {cause if isinstance(cause, AsyncPhaseError) else err}") from None
 
 
-def _summary(consumed: list[list[Sample]], drained: dict, train_s: float, phase_s: float) -> dict[str, float]:
-    """Phase totals: throughput, staleness distribution, queue depth, idle times, restarts, drops."""
+def _summary(consumed: list[list[Sample]], steps: list[dict], drained: dict, train_s: float) -> dict[str, float]:
+    """Phase totals over the trainer's run (from its first take, actors' start-up excluded):
+    throughput, staleness distribution, queue depth, idle times, restarts, drops."""
     samples = [s for batch in consumed for s in batch]
     staleness = Counter(s.metadata["trainer_version"] - s.weight_version for s in samples)
-    rollout, depths = drained["rollout"], drained["depths"] or [0]
+    rollout, depths = drained["rollout"], [m["async/queue_depth"] for m in steps]
     return {
         "async/samples_per_s": len(samples) / train_s,
         "async/tokens_per_s": sum(len(s.response_tokens) for s in samples) / train_s,
@@ -344,11 +348,10 @@ def _summary(consumed: list[list[Sample]], drained: dict, train_s: float, phase_
         "async/rollout_idle_s": rollout.get("idle_s", 0.0),
         "async/queue_depth_mean": statistics.fmean(depths),
         "async/queue_depth_max": float(max(depths)),
-        "async/staleness_mean": sum(k * v for k, v in staleness.items()) / max(len(samples), 1),
+        "async/phase_staleness_mean": sum(k * v for k, v in staleness.items()) / max(len(samples), 1),
         **{f"async/staleness_{k}_fraction": v / len(samples) for k, v in sorted(staleness.items())},
         "async/dropped_samples": float(len(drained["dropped"])),
         "async/buffered_groups": float(len(drained["groups"])),
         "async/actor_restarts": float(drained["restarts"]),
         "time/async_train_s": train_s,
-        "time/async_phase_s": phase_s,
     }

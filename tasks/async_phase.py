@@ -67,7 +67,7 @@ def async_phase(cfg: AsyncConfig, rollout: RolloutConfig, data: DataConfig, rewa
         (tmp / "ledger.json").write_text(json.dumps(ledger, indent=1))  # where every drawn prompt ended, readable without Flyte
         publish(TorchTrainer.load(str(tmp / "checkpoint"), train), str(tmp / "checkpoint"), tmp / "policy", publish_cfg.dtype, version, policy.version)
     print(f"async phase: steps {first_iteration + 1}-{first_iteration + steps}, {result.metrics['async/samples_per_s']:.1f} samples/s, "
-          f"staleness mean {result.metrics['async/staleness_mean']:.2f}, policy v{version}")
+          f"staleness mean {result.metrics['async/phase_staleness_mean']:.2f}, policy v{version}")
     return AsyncPhaseResult(
         ckpt=Checkpoint(dir=lasting_dir(out / "checkpoint"), step=int(result.metrics["train/step"])),
         policy=Policy(dir=lasting_dir(out / "policy"), version=version), batches=lasting_dir(out / "batches"),

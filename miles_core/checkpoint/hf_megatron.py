@@ -78,9 +78,15 @@ def arch_spec(hf_config: dict, source: str = "config.json") -> ArchSpec:
     )
 
 
-def read_arch(hf_dir: str | Path) -> ArchSpec:
+def read_hf_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
-    return arch_spec(json.loads(path.read_text()), str(path))
+    config = json.loads(path.read_text())
+    arch_spec(config, str(path))  # fails here, naming the file, for an unsupported model
+    return config
+
+
+def read_arch(hf_dir: str | Path) -> ArchSpec:
+    return arch_spec(read_hf_config(hf_dir))
 
 
 def _fuse_qkv(spec: ArchSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ rank's shards in memory (for the trainer's `from_hf` and `export_hf`).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from miles_core.checkpoint.hf_megatron import ArchSpec, hf_to_megatron, megatron_to_hf, read_arch
+from miles_core.checkpoint.hf_megatron import ArchSpec, hf_to_megatron, megatron_to_hf, read_arch, read_hf_config
 from miles_core.train.megatron.model import Parallel, build_model, init_parallel
 
 MODEL_DIR = "model"
@@ -160,15 +161,15 @@ def load_megatron_model(ckpt_dir: str | Path, parallel: Parallel = Parallel(), s
     return model, spec
 
 
-def write_hf(spec: ArchSpec, full: dict[str, torch.Tensor], config_dir: str | Path, out_dir: str | Path, dtype: str) -> None:
-    """An HF safetensors directory from an unsharded GPTModel state (config.json copied from config_dir)."""
+def write_hf(spec: ArchSpec, full: dict[str, torch.Tensor], hf_config: dict, out_dir: str | Path, dtype: str) -> None:
+    """An HF safetensors directory (model.safetensors + config.json) from an unsharded GPTModel state."""
     hf = {k: v.to(_DTYPES[dtype]).contiguous() for k, v in megatron_to_hf(spec, full).items()}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     save_file(hf, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy2(Path(config_dir) / "config.json", Path(out_dir) / "config.json")
+    (Path(out_dir) / "config.json").write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2))
 
 
 def torch_dist_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> None:
     """Export a torch_dist checkpoint (any TP/PP/EP it was saved at) as HF safetensors, in one process."""
     model, spec = load_megatron_model(ckpt_dir)
-    write_hf(spec, gather_full_state(model, spec), ckpt_dir, out_dir, dtype)
+    write_hf(spec, gather_full_state(model, spec), read_hf_config(ckpt_dir), out_dir, dtype)

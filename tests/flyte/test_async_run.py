@@ -1,6 +1,6 @@
-"""A real `pyflyte run` of the workflow with async phases, killed with SIGKILL mid-phase and re-run:
-the finished phase comes from the cache, and across the phases' consumed batches, the dropped
-samples and the final buffer every drawn prompt's samples appear exactly once."""
+"""A real `pyflyte run` of the workflow with a sync iteration then async phases, killed with SIGKILL
+mid-phase and re-run: the finished phase comes from the cache, and across the phases' consumed
+batches, the dropped samples and the final buffer every drawn prompt's samples appear exactly once."""
 
 import json
 import os
@@ -20,7 +20,8 @@ from tests.conftest import REPO, run_workflow, workflow_command, workflow_env
 pytestmark = pytest.mark.flyte
 
 RECIPE = "recipes/smoke_async.yaml"
-OVERRIDES = ("sft.steps=60",)
+# mixed: one sync iteration, then phases at iterations 1-2 and 3-4
+OVERRIDES = ("sft.steps=60", "iterations=5", "async_phase.schedule=mixed", "async_phase.sync_iterations=1")
 
 
 def ray_processes_of(session: int) -> list[int]:
@@ -33,7 +34,7 @@ def kill_mid_second_phase(root, home) -> None:
     proc = subprocess.Popen(workflow_command(RECIPE, root, *OVERRIDES), cwd=REPO, env=workflow_env(home),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 600
-    while not list(root.glob("async/0000-*")):  # the first phase has finished
+    while not list(root.glob("async/0001-*")):  # the first phase has finished
         assert proc.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.2)
@@ -42,38 +43,40 @@ def kill_mid_second_phase(root, home) -> None:
     proc.wait()
     for pid in ray_processes_of(proc.pid):
         os.kill(pid, signal.SIGKILL)
-    assert not list(root.glob("async/0002-*")), "the second phase finished before the kill"
+    assert not list(root.glob("async/0003-*")), "the second phase finished before the kill"
 
 
 def test_async_phases_resume_after_a_kill_without_losing_or_repeating_a_sample(tmp_path):
     root, home = tmp_path / "runs", tmp_path / "home"
     kill_mid_second_phase(root, home)
-    (first_phase,) = root.glob("async/0000-*")
+    (first_phase,) = root.glob("async/0001-*")
     first_batches = sorted(p.name for p in (first_phase / "batches").iterdir())
 
     resumed = run_workflow(RECIPE, root, home, *OVERRIDES)
     log = resumed.stdout + resumed.stderr
-    assert log.count("Cache hit") >= 5  # model, data, sft, evaluate, convert, the first phase ...
-    assert "async phase: steps 1-2" not in log  # the first phase was not run again
+    assert log.count("Cache hit") >= 8  # model, data, sft, evaluate, convert, the sync iteration's tasks, the first phase ...
+    assert "async phase: steps 2-3" not in log  # the first phase was not run again
     assert sorted(p.name for p in (first_phase / "batches").iterdir()) == first_batches
 
     phases = sorted(root.glob("async/[0-9]*"))  # not the killed attempt's temporary folder
-    assert [p.name[:4] for p in phases] == ["0000", "0002"]
+    assert [p.name[:4] for p in phases] == ["0001", "0003"]
     cfg = load_recipe(REPO / RECIPE)
     consumed = [s for phase in phases for f in sorted((phase / "batches").glob("*.parquet")) for s in read_batch(f, scored=True)]
-    assert len(consumed) == cfg.iterations * cfg.rollout.prompts_per_step * cfg.rollout.n_samples
+    assert len(consumed) == 4 * cfg.rollout.prompts_per_step * cfg.rollout.n_samples
     for s in consumed:
         assert s.weight_version >= s.metadata["trainer_version"] - cfg.async_phase.max_staleness
     ledgers = [json.loads((p / "ledger.json").read_text()) for p in phases]
     left = read_batch(phases[-1] / "buffer.parquet", scored=True) if (phases[-1] / "buffer.parquet").exists() else []
     ended = Counter([f"{draw_of(s)}/{s.index}" for s in consumed + left] + [d for ledger in ledgers for d in ledger["dropped"]])
-    end = ledgers[-1]["state_after"]["epoch"] * cfg.data.train_size + ledgers[-1]["state_after"]["offset"]
-    assert ended == Counter(f"{d}/{i}" for d in range(end) for i in range(cfg.rollout.n_samples))  # each exactly once
+    start, end = (ledger["epoch"] * cfg.data.train_size + ledger["offset"] for ledger in (ledgers[0]["state_before"], ledgers[-1]["state_after"]))
+    assert start == cfg.rollout.prompts_per_step  # after the sync iteration's prompts
+    assert ended == Counter(f"{d}/{i}" for d in range(start, end) for i in range(cfg.rollout.n_samples))  # each exactly once
 
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name("smoke_async").experiment_id], order_by=["attributes.start_time DESC"])[0]
     assert run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3, 4]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3, 4, 5]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "async_staleness_mean")] == [2, 3, 4, 5]  # the async steps
     for key in ("async_queue_depth_mean", "async_staleness_mean", "async_trainer_idle_s", "async_rollout_idle_s",
                 "async_weight_push_s", "async_samples_per_s", "async_tokens_per_s", "train_loss"):
         assert key in run.data.metrics, key

@@ -28,7 +28,8 @@ def test_draws_are_numbered_by_stream_position_and_the_bound_holds():
     assert b.lease(2, 1) == []  # full: the rollout actor waits
     b.deliver(0, [group(p, 1) for p in first], {"samples": 6})
     assert b.lease(2, 1) == []  # delivered groups still count until the trainer takes them
-    assert len(b.take(3, min_version=0)) == 3
+    taken, depth = b.take(3, min_version=0)
+    assert len(taken) == 3 and depth == 3
     assert [p.metadata["draw"] for p in b.lease(2, 5)] == [4, 5, 6]  # into the next epoch: positions keep counting
     assert b.drain()["state"] == DataState(epoch=1, offset=2)
 
@@ -51,7 +52,7 @@ def test_stale_groups_are_dropped_or_regenerated():
     for b in (dropping, regenerating):
         prompts = b.lease(0, 2)
         b.deliver(0, [group(prompts[0], 1), group(prompts[1], 3)], {})
-        assert b.take(2, min_version=2) is None  # one fresh group only
+        assert b.take(2, min_version=2) == (None, 1)  # one fresh group only
     assert dropping.drain()["dropped"] == ["0/0", "0/1"]
     assert [p.metadata["draw"] for p in regenerating.lease(1, 1)] == [0]  # generated again, same draw
 

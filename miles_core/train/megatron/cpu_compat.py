@@ -39,6 +39,7 @@ TORCH_VIEW_MODULES = {
     "megatron.core.optimizer.clip_grads": "grad-norm tensors with device='cuda'",
     "megatron.core.utils": "GlobalMemoryBuffer on torch.cuda.current_device()",
     "megatron.core.pipeline_parallel.p2p_communication": "torch.cuda.synchronize() after batched p2p",
+    "megatron.core.pipeline_parallel.schedules": "token counter with device=\"cuda\"",
     "megatron.core.transformer.moe.token_dispatcher": "alltoall dispatcher: streams, current_device",
     "megatron.core.transformer.moe.moe_utils": "maybe_move_tensor_to_cpu / device='cuda' buffers",
     "megatron.core.transformer.moe.router": "router weight moved to torch.cuda.current_device()",

@@ -85,6 +85,10 @@ def build_model(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype = torch.f
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(spec, parallel, dtype, routing_replay)
+    if routing_replay:  # router replay instances live in a class-level list: start it afresh per model
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     return GPTModel(
         config, layer_spec, vocab_size=spec.padded_vocab_size, max_sequence_length=spec.max_positions,

@@ -1,0 +1,214 @@
+"""The megatron-core trainer backend: GPTModel, DDP + distributed optimizer, TP/PP/DP/EP from the recipe.
+
+Implements the same `Trainer` protocol as the torch backend, so `loop.train` and the loss,
+weights and metrics code are shared: this module only supplies per-token log-probs and entropy
+(through `vocab_parallel_cross_entropy` and a vocab-parallel entropy) and the optimizer step.
+Every rank runs `loop.train` on the whole batch (the same parquet file); each data-parallel rank
+trains on its own rows of each mini-batch, and the mini-batch's aggregation weights are computed
+over all its rows first, so the loss does not depend on the data-parallel size.
+
+Micro-batches go through megatron-core's `forward_backward_func`, so pipeline parallelism works
+as on a GPU cluster; the last pipeline stage computes log-probs and metrics and they are summed
+to every rank.  MoE routing can be recorded and replayed (`record_routing`, `replay_routing`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from miles_core.algos.losses import loss_weights
+from miles_core.checkpoint import torch_dist
+from miles_core.checkpoint.hf_megatron import arch_spec, hf_to_megatron, read_hf_config
+from miles_core.config import TrainConfig
+from miles_core.train.base import LossFn, PackedBatch, WeightsFn
+from miles_core.train.megatron import logits as vocab
+from miles_core.train.megatron.model import Parallel, build_model, build_optimizer, init_parallel, wrap_ddp
+from miles_core.train.megatron.routing import RoutingReplay
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# optimizer state as the distributed optimizer holds it: saved and loaded without gathers; it reloads at
+# the same tensor/pipeline/expert sizes (the model weights reload at any sizes)
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+class Micro(NamedTuple):
+    batch: PackedBatch
+    weights: torch.Tensor | None  # [b, T] the aggregation weights of these rows (training only)
+    extras: dict  # {name: [b, ...]}
+
+
+def parallel_of(cfg: TrainConfig) -> Parallel:
+    return Parallel(tensor=cfg.tensor_parallel, pipeline=cfg.pipeline_parallel, expert=cfg.expert_parallel)
+
+
+class MegatronTrainer:
+    def __init__(self, model, hf_config: dict, cfg: TrainConfig, step: int = 0):
+        from megatron.core.distributed import finalize_model_grads  # optional backend: imported where used
+
+        self.hf_config, self.spec, self.cfg, self.step = hf_config, arch_spec(hf_config), cfg, step
+        self.ddp = wrap_ddp(model)
+        self.ddp.config.no_sync_func = self.ddp.no_sync
+        self.ddp.config.finalize_model_grads_func = finalize_model_grads
+        self.ddp.config.variable_seq_lengths = True  # micro-batches differ in length (pipeline p2p sends shapes)
+        self.optimizer = build_optimizer(self.ddp, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.grad_clip)
+        self.routing = RoutingReplay(enabled=self.spec.num_experts > 0)
+
+    @classmethod
+    def _build(cls, spec: ArchSpec, cfg: TrainConfig):
+        init_parallel(parallel_of(cfg), cfg.seed)
+        torch.manual_seed(cfg.seed)
+        return build_model(spec, parallel_of(cfg), _DTYPES[cfg.megatron_dtype], routing_replay=spec.num_experts > 0)
+
+    @classmethod
+    def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> "MegatronTrainer":
+        hf_config = read_hf_config(policy_dir)
+        spec = arch_spec(hf_config)
+        model = cls._build(spec, cfg)
+        torch_dist.load_full_state(model, spec, hf_to_megatron(spec, torch_dist.read_hf_state(policy_dir)))
+        return cls(model, hf_config, cfg)
+
+    @classmethod
+    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> "MegatronTrainer":
+        """A torch_dist checkpoint at any parallel sizes; optimizer state when it has one."""
+        state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text()) if (Path(ckpt_dir) / "trainer_state.json").exists() else {"step": 0}
+        hf_config = read_hf_config(ckpt_dir)
+        trainer = cls(cls._build(arch_spec(hf_config), cfg), hf_config, cfg, step=state["step"])
+        model_state = trainer.ddp.module.sharded_state_dict()
+        wanted = {"model": model_state}
+        same_layout = {k: v for k, v in state.get("parallel", {}).items() if k != "world_size"} == parallel_of(cfg).__dict__
+        if state["step"] and not same_layout:
+            logger.warning("%s: saved at parallel sizes %s, loading at %s: optimizer state starts afresh", ckpt_dir, state.get("parallel"), parallel_of(cfg))
+        if state["step"] and same_layout:
+            wanted["optimizer"] = trainer.optimizer.sharded_state_dict(model_state, is_loading=True, metadata=_OPTIMIZER_FORMAT)
+        loaded = torch_dist.load_torch_dist(wanted, ckpt_dir)
+        trainer.ddp.module.load_state_dict(loaded["model"], strict=False)
+        if "optimizer" in loaded:
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
+        rng = Path(ckpt_dir) / "rng" / f"rank_{dist.get_rank():05d}.pt"
+        if rng.exists():  # another world size: keep the seeded state
+            torch.set_rng_state(torch.load(rng, weights_only=True))
+        return trainer
+
+    def save(self, ckpt_dir: str) -> None:
+        model_state = self.ddp.module.sharded_state_dict()
+        state = {"model": model_state}
+        if self.step:
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_state, metadata=_OPTIMIZER_FORMAT)
+        torch_dist.save_torch_dist(state, ckpt_dir)
+        (Path(ckpt_dir) / "rng").mkdir(exist_ok=True)
+        torch.save(torch.get_rng_state(), Path(ckpt_dir) / "rng" / f"rank_{dist.get_rank():05d}.pt")
+        if dist.get_rank() == 0:
+            parallel = parallel_of(self.cfg).__dict__ | {"world_size": dist.get_world_size()}
+            (Path(ckpt_dir) / "trainer_state.json").write_text(json.dumps({"step": self.step, "backend": "megatron", "parallel": parallel}))
+            (Path(ckpt_dir) / "config.json").write_text(json.dumps(self.hf_config, indent=2))
+        dist.barrier()
+
+    def export_hf(self, out_dir: str, dtype: str) -> None:
+        full = torch_dist.gather_full_state(self.ddp.module, self.spec)
+        if dist.get_rank() == 0:
+            torch_dist.write_hf(self.spec, full, self.hf_config, out_dir, dtype)
+        dist.barrier()
+
+    def _schedule(self, micro_batches: list[PackedBatch], loss_of, forward_only: bool) -> list[dict]:
+        """Run micro-batches through megatron's schedule; the last stage's per-micro-batch outputs."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data_iterator, model):
+            micro = next(data_iterator)
+            with self.routing.around_forward():
+                output = model(input_ids=micro.batch.input_ids, position_ids=vocab.positions(micro.batch.input_ids), attention_mask=None)
+            return output, functools.partial(loss_of, micro)
+
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(micro_batches), model=[self.ddp], num_microbatches=len(micro_batches),
+            seq_length=micro_batches[0].batch.input_ids.shape[1], micro_batch_size=len(micro_batches[0].batch), forward_only=forward_only,
+        )
+
+    def _micro_batches(self, batch: PackedBatch, weights: torch.Tensor | None = None, extras: dict | None = None) -> list[Micro]:
+        size, extras = self.cfg.micro_batch_size, extras or {}
+        return [
+            Micro(batch.select(slice(i, i + size)), None if weights is None else weights[i : i + size], {k: v[i : i + size] for k, v in extras.items()})
+            for i in range(0, len(batch), size)
+        ]
+
+    def _stats(self, batch: PackedBatch, output: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return vocab.response_logprobs_entropy(output, batch, temperature, self.spec.vocab_size)
+
+    @torch.no_grad()
+    def logprobs(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
+        self.ddp.eval()
+
+        def loss_of(micro, output):
+            logprobs, _ = self._stats(micro.batch, output, temperature)
+            return output.sum() * 0.0, {"logprobs": logprobs}
+
+        outputs = self._schedule(self._micro_batches(batch), loss_of, forward_only=True)
+        self.ddp.train()
+        mine = torch.cat([o["logprobs"] for o in outputs]) if outputs else torch.zeros(batch.response_mask.shape)
+        return vocab.from_last_stage(mine)  # [B, T] on every rank
+
+    def _data_parallel_rows(self, start: int, stop: int) -> slice:
+        from megatron.core import parallel_state
+
+        size, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        per_rank = -(-(stop - start) // size)
+        return slice(min(start + rank * per_rank, stop), min(start + (rank + 1) * per_rank, stop))
+
+    def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights) -> dict[str, float]:
+        from megatron.core import parallel_state
+
+        started = time.perf_counter()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        mini = -(-len(batch) // self.cfg.mini_batches)
+        if len(batch) // self.cfg.mini_batches < dp_size:
+            raise ValueError(f"a mini-batch of {len(batch) // self.cfg.mini_batches} samples cannot be split over {dp_size} data-parallel ranks")
+        sums: dict[str, torch.Tensor] = {}
+        grad_norms = []
+        for m_start in range(0, len(batch), mini):
+            m_stop = min(m_start + mini, len(batch))
+            weights = weights_fn(batch.loss_mask[m_start:m_stop])  # [b_mini, T] over the whole mini-batch
+            rows = self._data_parallel_rows(m_start, m_stop)
+            micro_batches = self._micro_batches(batch.select(rows), weights[rows.start - m_start : rows.stop - m_start], {k: v[rows] for k, v in extras.items()})
+
+            def loss_of(micro, output):
+                logprobs, entropy = self._stats(micro.batch, output, temperature)
+                loss, metrics = loss_fn(logprobs, entropy, micro.batch.loss_mask, micro.extras)
+                metrics = {"loss": loss.detach(), "entropy": entropy.detach(), **metrics}
+                sums_here = {k: (v * micro.batch.loss_mask).sum().detach() for k, v in metrics.items()}
+                # the schedule divides by the number of micro-batches and DDP averages over data-parallel
+                # ranks: undo both, the weights already normalise over the whole mini-batch
+                total = (loss * micro.weights).sum() * len(micro_batches) * dp_size
+                return total, sums_here
+
+            self._set_lr(lr)
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            for out in self._schedule(micro_batches, loss_of, forward_only=False):
+                for k, v in out.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            _, grad_norm, _ = self.optimizer.step()
+            grad_norms.append(float(grad_norm or 0.0))
+            self.step += 1
+        totals = vocab.sum_over_data_and_pipeline(sums, float(batch.loss_mask.sum()))
+        seconds = time.perf_counter() - started
+        out = {f"train/{k}": v for k, v in totals.items()}
+        out.update({
+            "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            "train/tokens_per_s": float(batch.attention_mask.sum()) / seconds,
+            "train/step": float(self.step),
+        })
+        return out
+
+    def _set_lr(self, lr: float | None) -> None:
+        value = lr if lr is not None else self.cfg.lr * min(1.0, (self.step + 1) / max(self.cfg.warmup_steps, 1))
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
