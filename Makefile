@@ -38,6 +38,7 @@ bench: setup
 	$(PY) bench/rollout.py
 	$(PY) bench/trainer.py
 	$(PY) bench/orchestration.py
+	$(PY) bench/async_vs_sync.py
 
 # The Flyte cache remembers artifact paths under runs/: forget both together.
 clean:

@@ -223,6 +223,7 @@ class AsyncTrainer:
                 s.metadata = {**s.metadata, "trainer_version": self.version}
             staleness = [self.version - s.weight_version for s in samples]
             metrics = self.stats(samples)
+            metrics.update(plugin(spec.hooks, "hooks", "rollout_log")(samples, metrics, iteration))
             plugin(spec.hooks, "hooks", "before_train_step")(self.trainer, samples, iteration)
             metrics.update(loop.train(self.trainer, samples, spec.algo, spec.rollout.n_samples, spec.rollout.temperature,
                                       self.tokenizer.pad_token_id, reference=self.reference, horizon=spec.rollout.max_new_tokens))
