@@ -8,14 +8,14 @@ Containment, layer by layer (each one tested by tests/unit/test_sandbox.py's hos
   directory. Nothing else of the host exists inside: not `/etc`, not `/root`, not the repository,
   not the project's virtual environment. The root is remounted read-only, so the scratch
   directory is the only writable place, and it vanishes with the sandbox.
-* new **network** namespace (no interface but a down loopback: no network at all), new **pid**,
+* new **network** namespace (only its own loopback: no network, not even the host's 127.0.0.1), new **pid**,
   ipc and uts namespaces. When the sandbox's init dies the kernel kills every process left in
   its pid namespace, including daemons that called setsid() to leave the process group.
 * the code runs as the unprivileged user `nobody` (uid 65534) with no capabilities and
   no_new_privs (`setpriv`), so it cannot signal the host's processes, read root-only files or
   regain privileges.
-* **rlimits** (set by `prlimit` before bwrap starts, inherited by everything it forks): RLIMIT_CPU (CPU seconds per
-  process), RLIMIT_AS (address space), RLIMIT_NPROC (processes of the sandbox user: a fork bomb
+* **rlimits** (set by `prlimit` before bwrap starts, inherited by everything it forks):
+  RLIMIT_CPU (CPU seconds per process), RLIMIT_AS (address space), RLIMIT_NPROC (processes of the sandbox user: a fork bomb
   stops there), RLIMIT_FSIZE (largest file), RLIMIT_NOFILE, RLIMIT_CORE = 0.
 * the host side holds a **wall-clock** deadline and an **output** cap (stdout + stderr); past
   either, the whole process group is SIGKILLed (`--die-with-parent` then takes down the
@@ -23,7 +23,8 @@ Containment, layer by layer (each one tested by tests/unit/test_sandbox.py's hos
 
 The sandbox needs root (to switch to `nobody`) or, without root, unprivileged user namespaces
 (then the code runs as the invoking user mapped to `nobody`, and RLIMIT_NPROC counts the invoking
-user's processes, so it is raised by their current count). A missing `bwrap` or Python fails with
+user's processes, so it is raised by their current count; this path is not exercised by the
+tests, which run as root here). A missing `bwrap` or Python fails with
 `SandboxUnavailable` naming what to install.
 """
 

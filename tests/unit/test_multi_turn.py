@@ -169,3 +169,13 @@ def test_bad_multi_turn_setting_names_its_key_path():
         load_recipe(SMOKE, {"rollout.multi_turn.max_turns": 0})
     with pytest.raises(ConfigError, match="rollout.multi_turn.tool: unknown key"):
         load_recipe(SMOKE, {"rollout.multi_turn.tool": "python"})
+
+
+@needs_bwrap
+def test_rollout_continues_after_hostile_tool_code(tokenizer):
+    hostile = ["<tool>python\nimport os\nwhile True:\n    os.fork()\n</tool>", "<tool>python\nwhile True:\n    pass\n</tool>", "408"]
+    settings = MultiTurnConfig(max_turns=3, max_response_tokens=400, tools="python", tool_timeout_s=2.0, tool_cpu_s=1)
+    _, [s], metrics = _run(tokenizer, hostile, settings)
+    outputs = [tokenizer.decode(s.response_tokens[t["start"] : t["end"]]) for t in s.metadata["turns"] if t["role"] == "tool"]
+    assert "Resource temporarily unavailable" in outputs[0] and ("[cpu_limit]" in outputs[1] or "[timeout]" in outputs[1])
+    assert s.metadata["stop_reason"] == "answer" and metrics["rollout/tool_error_rate"] == 1.0

@@ -15,7 +15,7 @@ import pytest
 from miles_core.tools.sandbox import NOBODY, SandboxLimits, SandboxUnavailable, run_python
 
 REPO = Path(__file__).resolve().parents[2]
-LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, max_processes=16, max_output_bytes=8192)
+LIMITS = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=256, max_processes=16, max_output_bytes=8192)
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing: make setup installs it")
 
 
