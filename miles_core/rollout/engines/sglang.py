@@ -78,7 +78,10 @@ class SGLangEngine:
             retry: list[tuple[int, int]] = []
             for chunk, outputs in zip(chunks, self._pool.map(lambda c: self._generate_chunk(c, prompts, params), chunks)):
                 for key, out in zip(chunk, outputs):
-                    (results.__setitem__(key, out) if out is not None else retry.append(key))
+                    if out is None:
+                        retry.append(key)
+                    else:
+                        results[key] = out
             if not retry:
                 return [[results[(p, i)] for i in range(params.n)] for p in range(len(prompts))]
             log.info("resubmitting %d sequences aborted or split by a weight update", len(retry))
