@@ -207,6 +207,7 @@ def test_missing_environment_names_the_make_target(tmp_path):
 
 
 @pytest.mark.flyte
+@pytest.mark.timeout(1800)  # a whole workflow run: minutes when the machine is shared
 def test_workflow_rolls_out_in_the_attached_server(engine, tmp_path, monkeypatch):
     """recipes/smoke_sglang.yaml through `pyflyte run`, attached by URL to this module's server
     (as tasks on a cluster reach theirs): every rollout batch comes from the version it was
