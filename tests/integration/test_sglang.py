@@ -1,7 +1,7 @@
 """The SGLang engine against a real SGLang 0.5.23 server on CPU (its own environment, `make sglang-env`).
 
 One launched server is shared by every test of the module (start-up about a minute); the restart
-test kills it and lets the engine start it again. Nothing is mocked: the "never healthy" test
+test kills it and lets the engine start it again, and a smoke-size workflow run attaches to it. Nothing is mocked: the "never healthy" test
 attaches to a real HTTP server that answers 404 on /health.
 """
 
@@ -16,7 +16,9 @@ import threading
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
+import requests
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -202,3 +204,21 @@ def test_server_that_never_becomes_healthy_fails_within_its_timeout():
 def test_missing_environment_names_the_make_target(tmp_path):
     with pytest.raises(SGLangError, match="make sglang-env"):
         SGLangServer.launch(SGLangConfig(python=str(tmp_path / "nowhere" / "python")), str(tmp_path), 0)
+
+
+@pytest.mark.flyte
+@pytest.mark.timeout(1800)  # a whole workflow run: minutes when the machine is shared
+def test_workflow_rolls_out_in_the_attached_server(engine, tmp_path, monkeypatch):
+    """recipes/smoke_sglang.yaml through `pyflyte run`, attached by URL to this module's server
+    (as tasks on a cluster reach theirs): every rollout batch comes from the version it was
+    given, published over a gloo process group from the task's process."""
+    from tests.conftest import run_workflow
+
+    monkeypatch.setenv("MILES_SGLANG_ENV", str(Path(sglang_env_python()).parents[1]))  # the run's HOME is temporary
+    root = tmp_path / "runs"
+    out = run_workflow("recipes/smoke_sglang.yaml", root, tmp_path / "home", "iterations=2", f"rollout.sglang.urls={engine.servers[0].url}")
+    engine.weight_version = None  # the run published its own versions into the shared server
+    batches = sorted((root / "rollout").glob("*[0-9a-f].parquet"))
+    assert [set(pd.read_parquet(b).weight_version) for b in batches] == [{1}, {2}]  # SFT publishes v1
+    assert "rollout/weight_update_s" in out.stdout + out.stderr  # in the tasks' logged outputs
+    assert requests.get(f"{engine.servers[0].url}/model_info", timeout=60).json()["weight_version"] == "3"

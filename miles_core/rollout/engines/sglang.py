@@ -21,7 +21,8 @@ tensors from this process over a process group (miles_core/weights/sync.py);
 update runs pause -> begin -> update -> end -> flush -> continue; its duration is
 `last_update_metrics` (rollout/weight_update_s and the version it published).
 A launched server that dies is restarted (at most max_restarts times) with the last published
-directory and the failed call is sent again; every HTTP call has a timeout.
+directory and the failed call is sent again; an attached one that stops answering is dropped
+while others remain; every HTTP call has a timeout.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ class SGLangEngine:
             retry: list[tuple[int, int]] = []
             for chunk, outputs in zip(chunks, self._pool.map(lambda c: self._generate_chunk(c, prompts, params), chunks)):
                 for key, out in zip(chunk, outputs):
-                    (results.__setitem__(key, out) if out is not None else retry.append(key))
+                    if out is None:
+                        retry.append(key)
+                    else:
+                        results[key] = out
             if not retry:
                 return [[results[(p, i)] for i in range(params.n)] for p in range(len(prompts))]
             log.info("resubmitting %d sequences aborted or split by a weight update", len(retry))
@@ -128,11 +132,15 @@ class SGLangEngine:
         with self._lock:
             if server.alive():
                 return  # another thread restarted it already
-            log.warning("%s; restarting", err)
+            self._close_sender()  # the group lost a member: the next distributed update builds a new one
+            if not server.launched and len(self.servers) > 1:
+                log.warning("%s; routing around it from now on", err)
+                self.servers.remove(server)
+                return
             if not server.launched or server.restarts >= self.cfg.max_restarts:
                 raise SGLangError(f"{err}; {'attached servers are not restarted' if not server.launched else f'gave up after {server.restarts} restarts'}") from None
+            log.warning("%s; restarting", err)
             server.restart(self.policy_dir, self.weight_version)
-            self._close_sender()  # the group lost a member: the next distributed update builds a new one
 
     # ---- weights ----------------------------------------------------------------------------
 

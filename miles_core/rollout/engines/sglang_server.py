@@ -76,7 +76,7 @@ class SGLangServer:
             sglang_python(cfg), "-m", "sglang.launch_server", "--model-path", model_path,
             "--host", "127.0.0.1", "--port", str(port), "--device", cfg.device, "--dtype", cfg.dtype,
             "--max-total-tokens", str(cfg.max_total_tokens), "--skip-tokenizer-init",
-            "--weight-version", str(weight_version), *shlex.split(cfg.extra_args),
+            "--weight-version", str(weight_version), *(["--sleep-on-idle"] if cfg.sleep_on_idle else []), *shlex.split(cfg.extra_args),
         ]
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1" if cfg.device == "cpu" else "0"}
         log.info("starting SGLang server on port %d (log %s)", port, log_file)
