@@ -24,6 +24,8 @@ CPU_PACKAGES = [
     "pyyaml>=6",
     "tqdm>=4.66",
     "matplotlib>=3.9",
+    "megatron-core==0.16.1",
+    "psutil>=5.9",
 ]
 
 cpu_image = ImageSpec(
