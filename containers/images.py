@@ -28,6 +28,8 @@ CPU_PACKAGES = [
     "matplotlib>=3.9",
     "requests>=2.31",
     "math-verify>=0.9,<0.10",
+    "megatron-core==0.16.1",
+    "psutil>=5.9",
 ]
 
 cpu_image = ImageSpec(

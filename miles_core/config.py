@@ -293,11 +293,13 @@ class TrainConfig:
     expert_parallel: int = 1  # MoE experts split over this many data-parallel ranks
     nproc_per_node: int = 2  # processes of the distributed train task (one per GPU on a GPU node)
     megatron_dtype: str = "float32"  # float32 | bfloat16 (parameters and compute; grads reduced in fp32)
+    gpus_per_node: int = 0  # GPUs requested by the distributed train task's pods (0 = CPU)
 
     def __post_init__(self):
         _check(self.backend in ("torch", "megatron"), "train.backend", f"unknown backend {self.backend!r} (available: torch, megatron)")
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "nproc_per_node"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _check(self.gpus_per_node in (0, self.nproc_per_node), "train.gpus_per_node", f"must be 0 (CPU) or nproc_per_node={self.nproc_per_node} (one process per GPU)")
         model_parallel = self.tensor_parallel * self.pipeline_parallel
         _check(self.nproc_per_node % model_parallel == 0, "train.nproc_per_node", f"must be a multiple of tensor_parallel x pipeline_parallel = {model_parallel}")
         _check((self.nproc_per_node // model_parallel) % self.expert_parallel == 0, "train.expert_parallel", "must divide the data-parallel size (nproc_per_node / (tensor x pipeline))")

@@ -18,6 +18,7 @@ from miles_core.config import RunConfig
 from miles_core.data.source import DataState
 from tasks.common import Dataset, Policy, Tracking
 from tasks.prepare import build_model, make_data
+from tasks import megatron
 from tasks.rl import convert, evaluate, publish, rollout, score, train
 from tasks.sft import sft
 from tasks.tracking import Report, finish_run, log_iteration, log_phase, start_run
@@ -30,7 +31,9 @@ LoopResult = NamedTuple("LoopResult", [("policy", Policy), ("evaluation", dict[s
 def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> LoopResult:
     """N iterations, sync or in async phases (async_phase.schedule); returns the final policy and its held-out evaluation."""
     root, policy, state, buffer = cfg.run_root, start, DataState(), None
-    ckpt = convert(cfg=cfg.train, algo=cfg.algo, policy=start, root=root)
+    on_megatron = cfg.train.backend == "megatron"  # the same stages as distributed megatron-core tasks
+    convert_task, train_task, publish_task = (megatron.convert, megatron.train, megatron.publish) if on_megatron else (convert, train, publish)
+    ckpt = convert_task(cfg=cfg.train, algo=cfg.algo, policy=start, root=root)
     evaluation = {}
     for it, async_steps in phase_plan(cfg.iterations, cfg.async_phase):  # (it, 0): one sync iteration
         if async_steps:  # an async phase of K steps on Ray; its buffer and data state feed what follows
@@ -46,11 +49,13 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
             continue
         batch = rollout(cfg=cfg.rollout, data=cfg.data, reward=cfg.reward, policy=policy, dataset=dataset, state=state, buffer=buffer, iteration=it, root=root)
         scored = score(cfg=cfg.reward, hooks=cfg.hooks, group_size=cfg.rollout.n_samples, policy=policy, batch=batch, iteration=it, root=root)
-        trained = train(
+        trained = train_task(
             algo=cfg.algo, cfg=cfg.train, reward=cfg.reward, rollout=cfg.rollout, hooks=cfg.hooks,
             ckpt=ckpt, batch=scored, reference=start, iteration=it, root=root,
         )
-        policy = publish(cfg=cfg.publish, train_cfg=cfg.train, ckpt=trained.ckpt, parent=policy, root=root)
+        if on_megatron:
+            trained.with_overrides(**megatron.train_overrides(cfg.train))
+        policy = publish_task(cfg=cfg.publish, train_cfg=cfg.train, ckpt=trained.ckpt, parent=policy, root=root)
         due = (it + 1) % cfg.evaluation.interval == 0 or it + 1 == cfg.iterations
         evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset) if due else {}
         log_iteration(run=run, iteration=it, rollout=batch.metrics, score=scored.metrics, train=trained.metrics, evaluation=evaluation, policy=policy)

@@ -173,3 +173,13 @@ def torch_dist_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fl
     """Export a torch_dist checkpoint (any TP/PP/EP it was saved at) as HF safetensors, in one process."""
     model, spec = load_megatron_model(ckpt_dir)
     write_hf(spec, gather_full_state(model, spec), read_hf_config(ckpt_dir), out_dir, dtype)
+
+
+class TorchDistCheckpoint:
+    """A torch_dist checkpoint seen as a trainer by `weights.publish` (which asks for `export_hf`)."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        self.ckpt_dir = ckpt_dir
+
+    def export_hf(self, out_dir: str, dtype: str) -> None:
+        torch_dist_to_hf(self.ckpt_dir, out_dir, dtype)

@@ -4,7 +4,7 @@ Activated by the megatron backend's entry point only, and only when `torch.cuda.
 is False; on a GPU node nothing here runs.  Pinned to one megatron-core version because every
 redirection names a module of that version: `activate()` refuses any other version.
 
-Two kinds of redirection, each one counted in `HITS` when it fires, so
+Three kinds of redirection, each one counted in `HITS` when it fires, so
 tests/unit/test_megatron_compat.py can fail when one is no longer needed (never fires on the
 paths we use) and when a new CUDA call appears (the path raises "not compiled with CUDA"):
 
@@ -12,6 +12,7 @@ paths we use) and when a new CUDA call appears (the path raises "not compiled wi
   torch whose `torch.cuda` is a CPU stand-in (RNG state = the CPU generator, current_device =
   "cpu", synchronize/streams/events = no-ops) and whose tensor factories map `device="cuda"` to
   the CPU.  Only the attributes listed in `_CpuCuda` exist: any other CUDA call still raises.
+* one function replaced: the MoE alltoall dispatcher's host copy of its split sizes.
 * type-name checks: a few functions test `tensor.type() == 'torch.cuda.FloatTensor'`; while they
   run, `Tensor.type()` (without arguments) reports CPU tensors under their CUDA type names.
 """
@@ -41,22 +42,31 @@ TORCH_VIEW_MODULES = {
     "megatron.core.pipeline_parallel.p2p_communication": "torch.cuda.synchronize() after batched p2p",
     "megatron.core.pipeline_parallel.schedules": "token counter with device=\"cuda\"",
     "megatron.core.transformer.moe.token_dispatcher": "alltoall dispatcher: streams, current_device",
-    "megatron.core.transformer.moe.moe_utils": "maybe_move_tensor_to_cpu / device='cuda' buffers",
+    "megatron.core.tensor_parallel.mappings": "all-gather buffers on torch.cuda.current_device() (MoE alltoall)",
     "megatron.core.transformer.moe.router": "router weight moved to torch.cuda.current_device()",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() before writing a checkpoint",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "finalize: results moved to torch.cuda.current_device()",
     "megatron.core.distributed.param_and_grad_buffer": "grad buffers allocated on torch.cuda.current_device()",
-    "megatron.core.distributed.distributed_data_parallel": "communication stream on torch.cuda.current_device()",
 }
 # Functions that compare Tensor.type() against CUDA type names.
 TYPE_NAME_FUNCTIONS = {
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups": "param dtype check",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__": "fp16/bf16 main-param check",
-    "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__": "param dtype check",
     "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32": "asserts grads are torch.cuda.FloatTensor",
 }
 
 _active = False
+
+
+def _move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """moe_utils.maybe_move_tensor_to_cpu converts to numpy only for CUDA tensors; the alltoall
+    dispatcher then hands CPU tensors to all_to_all_single as split sizes, which gloo rejects."""
+    HITS["megatron.core.transformer.moe.token_dispatcher: maybe_move_tensor_to_cpu"] += 1
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+# Functions replaced outright in one module: "module:name" -> replacement.
+REPLACED_FUNCTIONS = {"megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu": _move_to_host}
 
 
 class _Stream:
@@ -187,6 +197,9 @@ def activate() -> bool:
         wrapped = _wrap_type_names(path, raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw)
         setattr(owner, attr, type(raw)(wrapped) if isinstance(raw, (staticmethod, classmethod)) else wrapped)
         _rebind_imports(raw, getattr(owner, attr))
+    for path, replacement in REPLACED_FUNCTIONS.items():
+        owner, attr = _resolve(path)
+        setattr(owner, attr, replacement)
     from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = None  # 0.16.1 names it without TransformerEngine (NameError otherwise)

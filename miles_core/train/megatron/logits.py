@@ -72,10 +72,10 @@ def sum_over_data_and_pipeline(sums: dict[str, torch.Tensor], total_tokens: floa
 
     names = sorted(sums)
     reduce_to_one = dist.get_world_size() > 1
-    if reduce_to_one:  # every rank must take part with the same names: broadcast them from rank 0
-        box = [names]
-        dist.broadcast_object_list(box, src=0)
-        names = box[0]
+    if reduce_to_one:  # every rank takes part with the same names; only last pipeline stages have any
+        everyone: list[list[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, names)
+        names = sorted(set().union(*everyone))
     stacked = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64) for k in names]) if names else torch.zeros(0, dtype=torch.float64)
     if reduce_to_one:
         dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())

@@ -49,6 +49,10 @@ def init_parallel(parallel: Parallel, seed: int) -> None:
     if world % model_parallel or (world // parallel.pipeline) % parallel.expert:
         raise ValueError(f"world size {world} does not fit tensor={parallel.tensor} x pipeline={parallel.pipeline} (x expert={parallel.expert})")
     if parallel_state.model_parallel_is_initialized():
+        current = Parallel(parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+                           parallel_state.get_expert_model_parallel_world_size())
+        if current == parallel:  # a second model (e.g. the KL reference) shares the groups of the first
+            return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,

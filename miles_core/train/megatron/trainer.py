@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -32,6 +34,7 @@ from miles_core.train.base import LossFn, PackedBatch, WeightsFn
 from miles_core.train.megatron import logits as vocab
 from miles_core.train.megatron.model import Parallel, build_model, build_optimizer, init_parallel, wrap_ddp
 from miles_core.train.megatron.routing import RoutingReplay
+from miles_core.weights.publish import copy_tokenizer
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -91,7 +94,7 @@ class MegatronTrainer:
             wanted["optimizer"] = trainer.optimizer.sharded_state_dict(model_state, is_loading=True, metadata=_OPTIMIZER_FORMAT)
         loaded = torch_dist.load_torch_dist(wanted, ckpt_dir)
         trainer.ddp.module.load_state_dict(loaded["model"], strict=False)
-        if "optimizer" in loaded:
+        if "optimizer" in wanted:
             trainer.optimizer.load_state_dict(loaded["optimizer"])
         rng = Path(ckpt_dir) / "rng" / f"rank_{dist.get_rank():05d}.pt"
         if rng.exists():  # another world size: keep the seeded state
@@ -110,6 +113,21 @@ class MegatronTrainer:
             parallel = parallel_of(self.cfg).__dict__ | {"world_size": dist.get_world_size()}
             (Path(ckpt_dir) / "trainer_state.json").write_text(json.dumps({"step": self.step, "backend": "megatron", "parallel": parallel}))
             (Path(ckpt_dir) / "config.json").write_text(json.dumps(self.hf_config, indent=2))
+        dist.barrier()
+
+    def save_atomically(self, out_dir: str | Path, tokenizer_dir: str) -> None:
+        """`save` by every rank into one temporary sibling that rank 0 renames into place when complete."""
+        out = Path(out_dir)
+        tmp = out.with_name(f".{out.name}.tmp-megatron")
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        self.save(str(tmp))
+        if dist.get_rank() == 0:
+            copy_tokenizer(tokenizer_dir, tmp)
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
         dist.barrier()
 
     def export_hf(self, out_dir: str, dtype: str) -> None:

@@ -1,0 +1,64 @@
+"""The megatron tasks and recipes compile into the Flyte spec: Elastic pods, cache settings, resources."""
+
+
+import pytest
+from flytekit import workflow
+from flytekit.models.task import Resources
+
+from containers.images import cpu_image
+from miles_core.config import load_recipe
+from tasks import megatron
+from tasks.common import BatchResult, Checkpoint, Policy
+from tests.flyte.test_compile import compile_entity
+
+pytestmark = pytest.mark.flyte
+
+
+@pytest.mark.parametrize("task", [megatron.convert, megatron.train, megatron.publish], ids=lambda t: t.name)
+def test_megatron_tasks_are_cached_elastic_pods(task):
+    template = compile_entity(task).template
+    assert template.metadata.discoverable and template.metadata.discovery_version.startswith("0.1.0-")
+    container = template.k8s_pod.pod_spec["containers"][0]  # an Elastic task is a pod template, not a container
+    assert container["image"] == cpu_image.image_name()
+    assert container["resources"]["requests"] == {"cpu": "2", "memory": "8Gi"}
+    assert task.task_config.nnodes == 1 and task.task_config.start_method == "fork"
+
+
+def test_train_task_runs_two_processes_and_shares_the_torch_train_interface():
+    from tasks import rl as rl_tasks
+
+    assert megatron.train.task_config.nproc_per_node == 2
+    for mine, theirs in ((megatron.train, rl_tasks.train), (megatron.convert, rl_tasks.convert), (megatron.publish, rl_tasks.publish)):
+        assert set(compile_entity(mine).template.interface.inputs) == set(compile_entity(theirs).template.interface.inputs)
+
+
+@pytest.mark.parametrize("recipe", ["recipes/tiny_arith_megatron.yaml", "recipes/qwen3_4b_megatron_gpu.yaml"])
+def test_megatron_recipes_validate_and_compile_with_their_resources(recipe):
+    cfg = load_recipe(recipe)
+    assert cfg.train.backend == "megatron"
+
+    @workflow
+    def one_step(ckpt: Checkpoint, batch: BatchResult, reference: Policy):
+        megatron.train(
+            algo=cfg.algo, cfg=cfg.train, reward=cfg.reward, rollout=cfg.rollout, hooks=cfg.hooks, ckpt=ckpt, batch=batch,
+            reference=reference, iteration=0, root=cfg.run_root,
+        ).with_overrides(**megatron.train_overrides(cfg.train))
+
+    overrides = compile_entity(one_step).template.nodes[0].task_node.overrides
+    gpus = [r.value for r in overrides.resources.requests if r.name == Resources.ResourceName.GPU] if overrides.resources else []
+    assert gpus == ([str(cfg.train.gpus_per_node)] if cfg.train.gpus_per_node else [])
+    assert megatron.train_overrides(cfg.train)["task_config"].nproc_per_node == cfg.train.nproc_per_node
+
+
+def test_gpu_recipe_parallel_sizes():
+    train = load_recipe("recipes/qwen3_4b_megatron_gpu.yaml").train
+    assert (train.tensor_parallel, train.pipeline_parallel, train.nproc_per_node // 4) == (2, 2, 2)  # TP x PP x DP = 8 GPUs
+
+
+def test_bad_parallel_sizes_fail_before_anything_runs(tmp_path):
+    from miles_core.config import ConfigError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("extends: " + str((__import__("pathlib").Path("recipes/tiny_arith_megatron.yaml")).resolve()) + "\ntrain: {tensor_parallel: 3}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: train.nproc_per_node: must be a multiple of tensor_parallel x pipeline_parallel = 3"):
+        load_recipe(bad)

@@ -1,0 +1,155 @@
+"""Runs real megatron-core work in its own process (plain `python` = a world of one, or under
+torchrun) and prints one JSON line; tests/*/test_megatron*.py and test_checkpoint*.py read it.
+
+    python tests/megatron_worker.py convert ROOT ARCH           HF -> torch_dist -> HF, logits vs HF
+    torchrun --nproc_per_node N tests/megatron_worker.py step ROOT CKPT TP EP OUT
+                                                               one GRPO step from CKPT, saved to OUT
+    python tests/megatron_worker.py loss ROOT CKPT             the loss of CKPT's weights on the batch
+    python tests/megatron_worker.py replay ROOT CKPT            record MoE routing, replay it
+    python tests/megatron_worker.py uncompat ROOT CKPT          the same path without the CPU layer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from miles_core import loop
+from miles_core.config import AlgoConfig, ModelConfig, TrainConfig
+from miles_core.models.tiny import build_tiny_model
+from miles_core.samples import Sample
+from miles_core.train.base import pack
+
+TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, num_experts=4, moe_top_k=2, moe_intermediate_size=32)
+ALGO = AlgoConfig()
+
+
+def samples(n: int = 8) -> list[Sample]:
+    """A fixed scored batch: 2 groups of 4, random tokens, rewards 0/1."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        P, R = 5 + i % 3, 4 + i % 2
+        tokens = torch.randint(3, 300, (P + R,), generator=g).tolist()
+        out.append(Sample(prompt_id=i // 4, index=i % 4, prompt_tokens=tokens[:P], response_tokens=tokens[P:], rollout_logprobs=[-1.0] * R,
+                          loss_mask=[1] * R, finish_reason="stop", weight_version=0, label="1", metadata={}, reward=float(i % 2)))
+    return out
+
+
+def train_cfg(tp: int = 1, ep: int = 1, world: int = 1, pp: int = 1) -> TrainConfig:
+    return TrainConfig(backend="megatron", lr=1e-2, micro_batch_size=4, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, nproc_per_node=world)
+
+
+def batch_loss(trainer) -> float:
+    """Negative mean log-likelihood of the fixed batch's response tokens under the trainer's weights."""
+    batch = pack(samples(), 0)
+    logprobs = trainer.logprobs(batch, 1.0)  # [B, T]
+    return -float((logprobs * batch.loss_mask).sum() / batch.loss_mask.sum())
+
+
+def convert(root: Path, *archs: str) -> dict:
+    """Every architecture in one process (megatron's import and set-up paid once)."""
+    return {arch: convert_one(root / arch, arch) for arch in archs}
+
+
+def convert_one(root: Path, arch: str) -> dict:
+    import transformers
+    from safetensors.torch import load_file
+
+    from miles_core.checkpoint.torch_dist import hf_to_torch_dist, load_megatron_model, torch_dist_to_hf
+    from miles_core.train.megatron.logits import positions
+
+    build_tiny_model(ModelConfig(arch=arch, **TINY), root / "hf")
+    hf_to_torch_dist(root / "hf", root / "mg")
+    torch_dist_to_hf(root / "mg", root / "back")
+    before, after = load_file(str(root / "hf/model.safetensors")), load_file(str(root / "back/model.safetensors"))
+    model, spec = load_megatron_model(root / "mg")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        got = model.eval()(input_ids=ids, position_ids=positions(ids), attention_mask=None)[..., : spec.vocab_size]
+    return {"same_names": sorted(before) == sorted(after), "bitwise": all(torch.equal(before[k], after[k]) for k in before),
+            "max_logit_diff": float((expected - got).abs().max()), "logit_scale": float(expected.abs().max())}
+
+
+def step(ckpt: str, tp: int, ep: int, out: str, pp: int = 1) -> dict:
+    import torch.distributed as dist
+
+    from miles_core.train.megatron import cpu_compat
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    trainer = MegatronTrainer.load(ckpt, train_cfg(tp, ep, world, pp))
+    before = batch_loss(trainer)
+    metrics = loop.train(trainer, samples(), ALGO, 4, 1.0, 0)
+    trainer.save(out)
+    after = batch_loss(trainer)
+    hits = [None] * dist.get_world_size()
+    dist.all_gather_object(hits, sorted(cpu_compat.HITS))
+    return {"loss_before": before, "loss_after": after, "train_loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
+            "hits": sorted(set().union(*hits)), "rank": dist.get_rank()}
+
+
+def loss(*ckpts: str) -> dict:
+    """The batch loss of each checkpoint loaded at TP=PP=EP=1 (whatever it was saved at)."""
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    return {"losses": [batch_loss(MegatronTrainer.load(ckpt, train_cfg())) for ckpt in ckpts]}
+
+
+def replay(ckpt: str) -> dict:
+    """Record routing before and after a training step; replay each on the trained weights."""
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer.load(ckpt, train_cfg())
+    batch = pack(samples(), 0)
+
+    def recorded() -> tuple[torch.Tensor, list]:
+        trainer.routing.record()
+        logprobs = trainer.logprobs(batch, 1.0)
+        trainer.routing.stop()
+        return logprobs, trainer.routing.recorded
+
+    def replayed(decisions: list) -> torch.Tensor:
+        trainer.routing.replay(decisions)
+        logprobs = trainer.logprobs(batch, 1.0)
+        trainer.routing.stop()
+        return logprobs
+
+    _, before = recorded()
+    loop.train(trainer, samples(), ALGO, 4, 1.0, 0)
+    after_logprobs, after = recorded()
+    return {
+        "micro_batches": len(after), "layers": len(after[0]), "shape": list(after[0][0].shape),
+        "routing_changed_by_training": any(not torch.equal(a, b) for a, b in zip(before[0], after[0])),
+        "replay_reproduces": torch.equal(replayed(after), after_logprobs),
+        "old_routing_changes_logprobs": not torch.equal(replayed(before), after_logprobs),
+    }
+
+
+def uncompat(ckpt: str) -> dict:
+    """The same load as every other command, with the CPU layer switched off."""
+    from miles_core.train.megatron import cpu_compat
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    cpu_compat.activate = lambda: False
+    try:
+        MegatronTrainer.load(ckpt, train_cfg())
+    except (AssertionError, RuntimeError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    return {"error": ""}
+
+
+if __name__ == "__main__":
+    command, root, *args = sys.argv[1:]
+    torch.set_num_threads(1)
+    handlers = {"convert": convert, "step": step, "loss": loss, "replay": replay, "uncompat": uncompat}
+    args = [int(a) if a.isdigit() else a for a in args]
+    result = handlers[command](Path(root), *args) if command == "convert" else handlers[command](*args)
+    if result.get("rank", 0) == 0:
+        print("RESULT " + json.dumps(result), flush=True)
