@@ -4,7 +4,7 @@
          ▲  generate (rollout.generate_fn), score (loop.score), deliver groups         │ loop.train
          └──────────── weights (state dict through the object store) every k steps ───┘
 
-Each rollout actor owns one engine (`make_engine`) and loops: lease prompts, generate, score,
+Each rollout actor owns one engine (`rollout.engines.make_engine`) and loops: lease prompts, generate, score,
 deliver. The trainer takes `rollout.prompts_per_step` groups no older than its version minus
 `max_staleness` (older ones are dropped or regenerated, `async_phase.stale_policy`), trains with
 the same `loop.train` as the sync loop, and every `update_weights_interval` steps pushes its
@@ -33,6 +33,7 @@ from miles_core.config import AlgoConfig, AsyncConfig, HooksConfig, RewardConfig
 from miles_core.data.source import DataState, Prompt
 from miles_core.plugins import plugin
 from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engines import make_engine
 from miles_core.samples import Sample
 from miles_core.train.torch_backend import TorchTrainer
 
@@ -43,25 +44,14 @@ class AsyncPhaseError(RuntimeError):
     """The phase cannot finish: a weight push timed out, the trainer starved, or an actor failed."""
 
 
-def phase_plan(iterations: int, cfg: AsyncConfig) -> list[tuple[int, int]]:
-    """[(first iteration, async steps)], async steps 0 = one sync iteration; covers every iteration."""
+def phase_plan(iterations: int, cfg: AsyncConfig, eval_interval: int) -> list[tuple[int, int, bool]]:
+    """[(first iteration, async steps, evaluate after it)] covering every iteration; async steps 0
+    is one sync iteration. Evaluation follows the stretch that reaches a multiple of eval_interval,
+    and the last one."""
     sync = {"sync": iterations, "async": 0, "mixed": cfg.sync_iterations}[cfg.schedule]
     plan = [(it, 0) for it in range(sync)]
     plan += [(it, min(cfg.steps_per_phase, iterations - it)) for it in range(sync, iterations, cfg.steps_per_phase)]
-    return plan
-
-
-def make_engine(rollout: RolloutConfig, policy_dir: str, version: int, threads: int):
-    """The rollout engine of one actor: the one place another backend (rollout.engine) plugs in."""
-    from miles_core.rollout.engines.torch_engine import TorchEngine
-
-    return TorchEngine(policy_dir, version, num_threads=threads)
-
-
-def load_in_memory(engine, state: dict, version: int) -> None:
-    """Weights from the trainer's state dict, without a trip through disk (embedded engine)."""
-    engine.model.load_state_dict(state)
-    engine.weight_version = version
+    return [(it, k, (it + max(k, 1)) // eval_interval > it // eval_interval or it + max(k, 1) == iterations) for it, k in plan]
 
 
 @dataclasses.dataclass
@@ -107,7 +97,7 @@ class RolloutWorker:
 
         torch.set_num_threads(spec.cfg.threads_per_actor)
         self.index, self.spec, self.buffer = index, spec, buffer
-        self.engine = make_engine(spec.rollout, spec.policy_dir, spec.version, spec.cfg.threads_per_actor)
+        self.engine = make_engine(spec.rollout, spec.policy_dir, spec.version, num_threads=spec.cfg.threads_per_actor)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.policy_dir)
         self.generate_fn = plugin(spec.rollout, "rollout", "generate_fn")
         self.scorer = functools.partial(loop.score, reward_fn=plugin(spec.reward, "reward", "fn"), tokenizer=self.tokenizer,
@@ -115,7 +105,7 @@ class RolloutWorker:
         self.lock, self.update_waiting = threading.Lock(), threading.Event()
         latest = ray.get(buffer.register.remote(index))  # a restarted actor resumes from the newest weights
         if latest is not None:
-            load_in_memory(self.engine, ray.get(latest[0][0]), latest[1])
+            self.engine.load_state_dict(ray.get(latest[0][0]), latest[1])
 
     def run(self) -> int:
         """Lease, generate, score, deliver until the buffer closes; returns the number of leases served."""
@@ -143,7 +133,7 @@ class RolloutWorker:
         self.update_waiting.set()  # the generating thread lets this one in at its next segment
         try:
             with self.lock:
-                load_in_memory(self.engine, state, version)
+                self.engine.load_state_dict(state, version)
         finally:
             self.update_waiting.clear()
         return version

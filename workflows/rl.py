@@ -35,14 +35,13 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
     convert_task, train_task, publish_task = (megatron.convert, megatron.train, megatron.publish) if on_megatron else (convert, train, publish)
     ckpt = convert_task(cfg=cfg.train, algo=cfg.algo, policy=start, root=root)
     evaluation = {}
-    for it, async_steps in phase_plan(cfg.iterations, cfg.async_phase):  # (it, 0): one sync iteration
+    for it, async_steps, due in phase_plan(cfg.iterations, cfg.async_phase, cfg.evaluation.interval):  # (it, 0, _): one sync iteration
         if async_steps:  # an async phase of K steps on Ray; its buffer and data state feed what follows
             phase = async_phase(
                 cfg=cfg.async_phase, rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, algo=cfg.algo, train=cfg.train, hooks=cfg.hooks,
                 publish_cfg=cfg.publish, ckpt=ckpt, policy=policy, reference=start, dataset=dataset, state=state, buffer=buffer,
                 first_iteration=it, steps=async_steps, root=root,
             )
-            due = any((i + 1) % cfg.evaluation.interval == 0 for i in range(it, it + async_steps)) or it + async_steps == cfg.iterations
             evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=phase.policy, dataset=dataset) if due else {}
             log_phase(run=run, first_iteration=it, phase=phase, evaluation=evaluation)
             ckpt, policy, state, buffer = phase.ckpt, phase.policy, phase.state, phase.buffer
@@ -56,7 +55,6 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
         if on_megatron:
             trained.with_overrides(**megatron.train_overrides(cfg.train))
         policy = publish_task(cfg=cfg.publish, train_cfg=cfg.train, ckpt=trained.ckpt, parent=policy, root=root)
-        due = (it + 1) % cfg.evaluation.interval == 0 or it + 1 == cfg.iterations
         evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset) if due else {}
         log_iteration(run=run, iteration=it, rollout=batch.metrics, score=scored.metrics, train=trained.metrics, evaluation=evaluation, policy=policy)
         ckpt, state, buffer = trained.ckpt, batch.state, batch.buffer

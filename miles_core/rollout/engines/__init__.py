@@ -12,8 +12,9 @@ from miles_core.config import RolloutConfig
 from miles_core.rollout.base import RolloutEngine
 
 
-def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, max_batch_sequences: int | None = None) -> RolloutEngine:
-    """An engine serving `policy_dir` as `version`; max_batch_sequences bounds a decode batch."""
+def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, **torch_options) -> RolloutEngine:
+    """An engine serving `policy_dir` as `version`; torch_options (max_batch_sequences,
+    num_threads) tune the embedded engine and are ignored by servers that batch for themselves."""
     if cfg.engine == "sglang":
         # imported only for this engine: it brings the HTTP client and the server launcher
         from miles_core.rollout.engines.sglang import shared_engine
@@ -21,7 +22,7 @@ def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, max_batch_seq
         return shared_engine(cfg.sglang, policy_dir, version)
     from miles_core.rollout.engines.torch_engine import TorchEngine
 
-    return TorchEngine(policy_dir, version, **({"max_batch_sequences": max_batch_sequences} if max_batch_sequences else {}))
+    return TorchEngine(policy_dir, version, **torch_options)
 
 
 def weight_update_metrics(engine: RolloutEngine) -> dict[str, float]:

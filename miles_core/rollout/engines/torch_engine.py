@@ -123,6 +123,11 @@ class TorchEngine:
         self.policy_dir = policy_dir
         self.weight_version = version
 
+    def load_state_dict(self, state: dict, version: int) -> None:
+        """Weights handed over in memory (a trainer's state dict in the same process or actor)."""
+        self.model.load_state_dict(state)
+        self.weight_version = version
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         self._check_prompts(prompts)
         expanded = [prompt for prompt in prompts for _ in range(params.n)]
