@@ -13,7 +13,6 @@ computed once and every family starts from the same policy. That cache lives in 
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
