@@ -5,14 +5,14 @@ Every family's recipe (recipes/<family>.yaml, GRPO = the main recipe) runs throu
 with the same iterations, prompts per step and group size, so every family trains on the same
 number of samples; dynamic sampling (DAPO) generates more, reported as `generated_samples`. The
 runs share one Flyte cache and run root, so the base model, data, SFT and its evaluation are
-computed once and every family starts from the same policy.
+computed once and every family starts from the same policy. That cache lives in the run root
+(`<root>/.flyte-home`), so deleting the root forgets both together.
 
     python bench/families.py [--root runs] [--iterations 30]     # then `make ui`
 """
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -35,7 +35,7 @@ def main() -> None:
         recipe = f"recipes/{FAMILIES[family]}.yaml"
         cfg = load_recipe(recipe)
         iterations = args.iterations or cfg.iterations
-        run_workflow(recipe, root, os.environ["HOME"], f"name={family}", f"iterations={iterations}",
+        run_workflow(recipe, root, str(root / ".flyte-home"), f"name={family}", f"iterations={iterations}",
                      "tracking.experiment=families", f"evaluation.interval={max(iterations // 6, 1)}")
         client, runs = mlflow_runs(root)
         run = max((r for r in runs if r.info.run_name.rsplit("-", 1)[0] == family), key=lambda r: r.info.start_time)

@@ -1,5 +1,6 @@
 """Runs the RL workflow for a benchmark, as a user would (`pyflyte run`), and reads its MLflow runs."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ def run_workflow(recipe: str, root: Path, home: str, *overrides: str) -> None:
     cfg = subprocess.run([sys.executable, "-m", "miles_core.config", recipe, f"run_root={root}", *overrides],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     out = subprocess.run([str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rl.py", "rl", "--cfg", cfg],
-                         cwd=REPO, env={"HOME": home, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+                         cwd=REPO, env={**os.environ, "HOME": home}, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{recipe}: workflow failed\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
 

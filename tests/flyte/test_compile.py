@@ -9,6 +9,7 @@ import pytest
 from flytekit.configuration import Image, ImageConfig, SerializationSettings
 from flytekit.tools.translator import get_serializable
 
+import miles_core
 from containers.images import cpu_image
 from tasks import prepare, rl as rl_tasks, sft, tracking
 from workflows.rl import rl, rl_loop
@@ -31,7 +32,7 @@ def compile_entity(entity):
 def test_stage_tasks_are_cached_with_a_config_derived_version(task):
     template = compile_entity(task).template
     assert template.metadata.discoverable
-    assert template.metadata.discovery_version.startswith("0.1.0-")
+    assert template.metadata.discovery_version.startswith(f"{miles_core.__version__}-")
     assert template.container.image == cpu_image.image_name()
 
 
