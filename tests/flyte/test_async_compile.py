@@ -2,6 +2,7 @@
 
 import pytest
 
+import miles_core
 from tasks.async_phase import async_phase
 from tasks.tracking import log_phase
 from tests.flyte.test_compile import compile_entity
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.flyte
 def test_async_phase_is_a_cached_ray_job_with_rollout_and_trainer_groups():
     template = compile_entity(async_phase).template
     assert template.type == "ray"
-    assert template.metadata.discoverable and template.metadata.discovery_version.startswith("0.1.0-")
+    assert template.metadata.discoverable and template.metadata.discovery_version.startswith(f"{miles_core.__version__}-")
     cluster = template.custom["rayCluster"]
     assert [g["groupName"] for g in cluster["workerGroupSpec"]] == ["rollout", "trainer"]
     assert "headGroupSpec" in cluster

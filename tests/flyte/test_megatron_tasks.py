@@ -2,6 +2,8 @@
 
 
 import pytest
+
+import miles_core
 from flytekit import workflow
 from flytekit.models.task import Resources
 
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.flyte
 @pytest.mark.parametrize("task", [megatron.convert, megatron.train, megatron.publish], ids=lambda t: t.name)
 def test_megatron_tasks_are_cached_elastic_pods(task):
     template = compile_entity(task).template
-    assert template.metadata.discoverable and template.metadata.discovery_version.startswith("0.1.0-")
+    assert template.metadata.discoverable and template.metadata.discovery_version.startswith(f"{miles_core.__version__}-")
     container = template.k8s_pod.pod_spec["containers"][0]  # an Elastic task is a pod template, not a container
     assert container["image"] == cpu_image.image_name()
     assert container["resources"]["requests"] == {"cpu": "2", "memory": "8Gi"}
