@@ -8,6 +8,7 @@ attaches to a real HTTP server that answers 404 on /health.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -139,6 +140,14 @@ def test_greedy_equals_torch_engine_after_distributed_updates(engine, policies):
     engine.weight_version = None  # the shared server now holds v3: make the next load_weights publish
 
 
+def started_stream(server, payload: dict):
+    """The event payloads of a streaming /generate, returned once its first token has arrived."""
+    response = requests.post(f"{server.url}/generate", json={**payload, "stream": True}, stream=True, timeout=(10, 120))
+    chunks = (line[len(b"data: "):].decode() for line in response.iter_lines() if line.startswith(b"data: "))
+    next(chunks)
+    return chunks
+
+
 def test_pause_abort_and_update_during_generation(engine, policies):
     """abort returns in-flight requests early; paused servers hold new work until continue; a
     generation running across a weight update comes back whole, each response from one version."""
@@ -146,14 +155,12 @@ def test_pause_abort_and_update_during_generation(engine, policies):
     server = engine.servers[0]
     long_request = {"input_ids": PROMPTS[0], "return_logprob": True,
                     "sampling_params": {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True}}
-    answer = {}
-    worker = threading.Thread(target=lambda: answer.update(server.post("/generate", long_request)))
-    worker.start()
-    time.sleep(3)
+    chunks = started_stream(server, long_request)  # the request is running: its first chunk arrived
     engine.pause("abort")
-    worker.join(timeout=60)
-    assert answer["meta_info"]["finish_reason"]["type"] == "abort"
-    assert len(answer["output_ids"]) < 400
+    last = json.loads([c for c in chunks if c != "[DONE]"][-1])
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["completion_tokens"] < 400
+    answer = {}
     held = threading.Thread(target=lambda: answer.update(generated=engine.generate(PROMPTS[:1], GREEDY)))
     held.start()
     held.join(timeout=5)
@@ -166,7 +173,8 @@ def test_pause_abort_and_update_during_generation(engine, policies):
     resubmitted = engine.resubmitted_sequences
     running = threading.Thread(target=lambda: answer.update(across=engine.generate(PROMPTS, long_params)))
     running.start()
-    time.sleep(2)
+    while not any(engine._in_flight.values()):  # update as soon as the generation is on the server
+        time.sleep(0.005)
     engine.load_weights(policies[1], 1)
     running.join(timeout=300)
     assert engine.resubmitted_sequences > resubmitted, "the update did not meet a running generation"
