@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/ (whose megatron.py would shadow megatron-core)
 
 from bench.trainer import batch  # noqa: E402  the same addition-shaped batch as the torch benchmark
 from miles_core.config import AlgoConfig, ModelConfig, TrainConfig  # noqa: E402

@@ -8,6 +8,7 @@ match tasks.rl's convert/train/publish, so the loop only chooses which to call.
 
 from __future__ import annotations
 
+import torch
 from flytekit import Resources, task
 from flytekitplugins.kfpytorch import Elastic
 from transformers import AutoTokenizer
@@ -27,6 +28,12 @@ ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork")
 LOCAL_RESOURCES = Resources(cpu="2", mem="8Gi")
 
 
+def _forked_worker() -> None:
+    # the worker is forked from a process whose OpenMP thread team already ran (libgomp is not fork-safe):
+    # a new team would deadlock, so the worker computes on its one thread (one process per core here)
+    torch.set_num_threads(1)
+
+
 def distributed(train: TrainConfig) -> Elastic:
     return Elastic(nnodes=1, nproc_per_node=train.nproc_per_node, start_method="fork")
 
@@ -43,6 +50,7 @@ def train_overrides(train: TrainConfig) -> dict:
 @task(cache=True, cache_version=cache_version(TrainConfig, AlgoConfig), container_image=cpu_image, task_config=ONE_PROCESS, requests=LOCAL_RESOURCES)
 def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Checkpoint:
     """Base HF checkpoint -> Megatron torch_dist checkpoint (reshardable to any TP/PP/EP)."""
+    _forked_worker()
     out = artifact_path(root, "checkpoint", 0, cfg, algo, policy.dir.path)
     with atomic_dir(out) as tmp:
         hf_to_torch_dist(policy.dir.path, tmp, cfg.seed)
@@ -55,6 +63,7 @@ def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Ch
 def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: RolloutConfig, hooks: HooksConfig,
           ckpt: Checkpoint, batch: BatchResult, reference: Policy, iteration: int, root: str) -> TrainResult:
     """One RL step on every rank (each trains its data-parallel rows); rank 0's result is the task's."""
+    _forked_worker()
     samples = read_batch(batch.batch.path, scored=True, reward_range=(reward.min, reward.max))
     trainer = MegatronTrainer.load(ckpt.dir.path, cfg)
     ref = MegatronTrainer.from_hf(reference.dir.path, cfg) if algo.kl_coef > 0 else None
@@ -71,6 +80,7 @@ def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: Rol
 @task(cache=True, cache_version=cache_version(PublishConfig, TrainConfig), container_image=cpu_image, task_config=ONE_PROCESS, requests=LOCAL_RESOURCES)
 def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent: Policy, root: str) -> Policy:
     """Megatron checkpoint (any parallel sizes) -> HF safetensors + lineage manifest, the next policy version."""
+    _forked_worker()
     version = parent.version + 1
     out = artifact_path(root, "policy", version, cfg, ckpt.dir.path)
     publish_policy(TorchDistCheckpoint(ckpt.dir.path), ckpt.dir.path, out, cfg.dtype, version, parent.version)

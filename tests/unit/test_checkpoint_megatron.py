@@ -5,7 +5,6 @@ bitwise, and compare megatron's logits with HF's on the same input in fp32.
 """
 
 import tempfile
-from pathlib import Path
 
 import pytest
 

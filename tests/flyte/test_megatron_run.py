@@ -1,0 +1,47 @@
+"""A short run of the whole DAG on the megatron backend: the smoke recipe with train.backend=megatron.
+
+The train task is a real 2-process kfpytorch Elastic task (gloo); convert and publish run megatron-core
+in their own worker process.  Checks the published policies, the Megatron checkpoints (torch_dist,
+one RNG file per rank: two processes really trained) and the report.
+"""
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import final_policy, run_workflow
+
+# Known failure: iteration 1 runs through (convert, 2-process train, save, publish, evaluate); iteration 2
+# loads the optimizer state saved by iteration 1 (dp_reshardable), trains, and its save stops at
+# megatron-core's `assert len(steps) == 1` (distrib_optimizer.state_dict): the reloaded state restores the
+# Adam step of only part of the parameter shards. Resuming optimizer state is to be fixed.
+pytestmark = [pytest.mark.flyte, pytest.mark.integration,
+              pytest.mark.xfail(reason="resuming distributed-optimizer state: the second iteration's save asserts one Adam step count", strict=False)]
+
+
+@pytest.fixture(scope="module")
+def megatron_run():
+    with tempfile.TemporaryDirectory(prefix="megatron-dag-") as tmp:  # not pytest's rotated temp folders
+        out = run_workflow("recipes/smoke.yaml", Path(tmp) / "runs", Path(tmp) / "home", "train.backend=megatron", "iterations=2")
+        yield Path(tmp) / "runs", out
+
+
+def test_the_dag_trains_with_two_megatron_processes(megatron_run):
+    root, out = megatron_run
+    checkpoints = sorted(p.parent for p in root.glob("checkpoint/*/trainer_state.json"))
+    states = [json.loads((c / "trainer_state.json").read_text()) for c in checkpoints]
+    assert [s["step"] for s in states] == [2, 4]  # mini_batches: 2 optimizer steps per iteration
+    assert all(s["backend"] == "megatron" and s["parallel"]["world_size"] == 2 for s in states)
+    assert all(sorted(p.name for p in (c / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"] for c in checkpoints)
+    assert all((c / "model" / "metadata.json").exists() for c in checkpoints)  # torch_dist format
+
+
+def test_published_policies_are_hf_directories_with_lineage(megatron_run):
+    root, out = megatron_run
+    policy = final_policy(root)
+    manifest = json.loads((policy / "policy.json").read_text())
+    assert manifest["parent_version"] == manifest["version"] - 1 and "checkpoint" in manifest["source"]
+    assert (policy / "model.safetensors").exists() and (policy / "tokenizer.json").exists()
+    assert "iteration 1" in out.stdout + out.stderr
