@@ -4,6 +4,7 @@ torchrun) and prints one JSON line; tests/*/test_megatron*.py and test_checkpoin
     python tests/megatron_worker.py convert ROOT ARCH           HF -> torch_dist -> HF, logits vs HF
     torchrun --nproc_per_node N tests/megatron_worker.py step ROOT CKPT TP EP OUT
                                                                one GRPO step from CKPT, saved to OUT
+    torchrun ... tests/megatron_worker.py resume ROOT CKPT OUT  two steps straight vs a save and load between them
     python tests/megatron_worker.py loss ROOT CKPT             the loss of CKPT's weights on the batch
     python tests/megatron_worker.py replay ROOT CKPT            record MoE routing, replay it
     python tests/megatron_worker.py uncompat ROOT CKPT          the same path without the CPU layer
@@ -95,6 +96,24 @@ def step(ckpt: str, tp: int, ep: int, out: str, pp: int = 1) -> dict:
             "hits": sorted(set().union(*hits)), "rank": dist.get_rank()}
 
 
+def resume(ckpt: str, out: str) -> dict:
+    """Two steps in one go, against one step, a save with optimizer state, a load and one more step."""
+    import torch.distributed as dist
+
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    cfg = train_cfg(world=int(__import__("os").environ.get("WORLD_SIZE", "1")))
+    straight = MegatronTrainer.load(ckpt, cfg)
+    for _ in range(2):
+        loop.train(straight, samples(), ALGO, 4, 1.0, 0)
+    first = MegatronTrainer.load(ckpt, cfg)
+    loop.train(first, samples(), ALGO, 4, 1.0, 0)
+    first.save(out)
+    resumed = MegatronTrainer.load(out, cfg)
+    loop.train(resumed, samples(), ALGO, 4, 1.0, 0)
+    return {"straight": batch_loss(straight), "resumed": batch_loss(resumed), "steps": [straight.step, resumed.step], "rank": dist.get_rank()}
+
+
 def loss(*ckpts: str) -> dict:
     """The batch loss of each checkpoint loaded at TP=PP=EP=1 (whatever it was saved at)."""
     from miles_core.train.megatron.trainer import MegatronTrainer
@@ -148,7 +167,7 @@ def uncompat(ckpt: str) -> dict:
 if __name__ == "__main__":
     command, root, *args = sys.argv[1:]
     torch.set_num_threads(1)
-    handlers = {"convert": convert, "step": step, "loss": loss, "replay": replay, "uncompat": uncompat}
+    handlers = {"convert": convert, "step": step, "resume": resume, "loss": loss, "replay": replay, "uncompat": uncompat}
     args = [int(a) if a.isdigit() else a for a in args]
     result = handlers[command](Path(root), *args) if command == "convert" else handlers[command](*args)
     if result.get("rank", 0) == 0:

@@ -13,12 +13,7 @@ import pytest
 
 from tests.conftest import final_policy, run_workflow
 
-# Known failure: iteration 1 runs through (convert, 2-process train, save, publish, evaluate); iteration 2
-# loads the optimizer state saved by iteration 1 (dp_reshardable), trains, and its save stops at
-# megatron-core's `assert len(steps) == 1` (distrib_optimizer.state_dict): the reloaded state restores the
-# Adam step of only part of the parameter shards. Resuming optimizer state is to be fixed.
-pytestmark = [pytest.mark.flyte, pytest.mark.integration,
-              pytest.mark.xfail(reason="resuming distributed-optimizer state: the second iteration's save asserts one Adam step count", strict=False)]
+pytestmark = [pytest.mark.flyte, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ def parallel_runs(root: Path) -> dict:
         "tp2": run_worker("step", root, root / "qwen2/mg", 2, 1, root / "tp2", nproc=2),
         "pp2": run_worker("step", root, root / "llama/mg", 1, 1, root / "pp2", 2, nproc=2),
         "ep2": run_worker("step", root, root / "qwen3_moe/mg", 1, 2, root / "ep2", nproc=2),
+        "resume": run_worker("resume", root, root / "qwen2/mg", root / "resumed", nproc=2),
         "replay": run_worker("replay", root, root / "qwen3_moe/mg"),
         "uncompat": run_worker("uncompat", root, root / "qwen2/mg"),
     }
@@ -43,6 +44,13 @@ def test_tp1_and_tp2_train_the_same_from_one_checkpoint(runs):
     assert tp1["grad_norm"] == pytest.approx(tp2["grad_norm"], abs=1e-4)
     assert tp1["loss_after"] == pytest.approx(tp2["loss_after"], abs=SAME)
     assert tp1["loss_after"] < tp1["loss_before"] - 0.01  # the step changed the weights
+
+
+def test_a_resumed_run_continues_exactly_with_its_optimizer_state(runs):
+    """DP=2 (each rank holds half of Adam's state): step, save, load, step equals two steps in a row."""
+    resume = runs["resume"]
+    assert resume["steps"] == [2, 2]
+    assert resume["resumed"] == resume["straight"]
 
 
 def test_checkpoints_saved_sharded_load_unsharded_with_the_same_loss(runs):

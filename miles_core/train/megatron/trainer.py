@@ -49,6 +49,10 @@ class Micro(NamedTuple):
     extras: dict  # {name: [b, ...]}
 
 
+def _distributed_optimizers(optimizer) -> list:
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
 def parallel_of(cfg: TrainConfig) -> Parallel:
     return Parallel(tensor=cfg.tensor_parallel, pipeline=cfg.pipeline_parallel, expert=cfg.expert_parallel)
 
@@ -91,11 +95,20 @@ class MegatronTrainer:
         if state["step"] and not same_layout:
             logger.warning("%s: saved at parallel sizes %s, loading at %s: optimizer state starts afresh", ckpt_dir, state.get("parallel"), parallel_of(cfg))
         if state["step"] and same_layout:
+            # torch's Adam creates its state (step, moments) lazily; the loaded state is copied into it
+            for optimizer in _distributed_optimizers(trainer.optimizer):
+                optimizer._init_optimizer_states_with_dummy_values()
             wanted["optimizer"] = trainer.optimizer.sharded_state_dict(model_state, is_loading=True, metadata=_OPTIMIZER_FORMAT)
         loaded = torch_dist.load_torch_dist(wanted, ckpt_dir)
         trainer.ddp.module.load_state_dict(loaded["model"], strict=False)
         if "optimizer" in wanted:
-            trainer.optimizer.load_state_dict(loaded["optimizer"])
+            with torch.no_grad():  # copies into the main parameters, which require grad
+                trainer.optimizer.load_state_dict(loaded["optimizer"])
+            for optimizer in _distributed_optimizers(trainer.optimizer):
+                # megatron-core 0.16.1 hands torch's Adam (no Apex/TE) one `step` tensor shared by every
+                # parameter, which each parameter's update would then increment: give each its own
+                for param_state in optimizer.optimizer.state.values():
+                    param_state["step"] = param_state["step"].clone()
         rng = Path(ckpt_dir) / "rng" / f"rank_{dist.get_rank():05d}.pt"
         if rng.exists():  # another world size: keep the seeded state
             torch.set_rng_state(torch.load(rng, weights_only=True))
