@@ -416,7 +416,6 @@ class RunConfig:
         _check(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")
         _check(self.iterations >= 1, "iterations", "must be >= 1")
         _check(self.algo.advantage != "rloo" or self.rollout.n_samples >= 2, "algo.advantage", "rloo needs rollout.n_samples >= 2")
-        _check(self.algo.advantage != "ppo" or self.train.backend == "torch", "algo.advantage", f"ppo's critic runs on the torch backend, not {self.train.backend!r}")
         if self.async_phase.schedule != "sync":
             _check(self.async_phase.queue_size >= self.rollout.prompts_per_step, "async_phase.queue_size", f"must be >= rollout.prompts_per_step ({self.rollout.prompts_per_step}): the trainer takes that many groups per step")
             _check(self.algo.advantage != "ppo", "async_phase.schedule", "async phases do not train a critic yet: use a critic-free estimator or schedule: sync")

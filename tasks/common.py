@@ -7,8 +7,10 @@ later cache hit could no longer find.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Optional
 
 import transformers
@@ -16,9 +18,10 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
 import miles_core
-from miles_core.config import config_hash
+from miles_core.config import AlgoConfig, TrainConfig, config_hash
 from miles_core.data.source import DataState
 from miles_core.storage import digest
+from miles_core.train.torch_backend import TorchCritic
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the project builds its own models; never reach a hub
 transformers.utils.logging.disable_progress_bar()  # per-load bars drown the per-iteration lines
@@ -103,3 +106,19 @@ class AsyncPhaseResult:
     dropped: list[str]  # "draw/index" of the samples dropped as too stale
     steps: list[dict[str, float]]  # per training step: the training metrics and the async ones
     metrics: dict[str, float]  # the phase's totals: throughput, staleness distribution, idle times
+
+
+def _critic_cfg(algo: AlgoConfig, cfg: TrainConfig) -> TrainConfig:
+    return dataclasses.replace(cfg, lr=algo.critic_lr)
+
+
+def new_critic(algo: AlgoConfig, cfg: TrainConfig, policy_dir: str, ckpt_dir) -> None:
+    """PPO: a fresh critic (the policy's transformer with a value head) saved beside a new checkpoint.
+    It is a torch model whichever backend trains the policy; on megatron every rank holds a replica."""
+    if algo.advantage == "ppo":
+        TorchCritic.from_hf(policy_dir, _critic_cfg(algo, cfg)).save(str(Path(ckpt_dir) / "critic"))
+
+
+def load_critic(algo: AlgoConfig, cfg: TrainConfig, ckpt_dir: str) -> TorchCritic | None:
+    """The critic saved beside a checkpoint (PPO), else None."""
+    return TorchCritic.load(str(Path(ckpt_dir) / "critic"), _critic_cfg(algo, cfg)) if algo.advantage == "ppo" else None

@@ -22,7 +22,7 @@ from miles_core.schemas import read_batch
 from miles_core.storage import artifact_path, atomic_dir
 from miles_core.train.megatron.trainer import MegatronTrainer
 from miles_core.weights.publish import copy_tokenizer, publish as publish_policy
-from tasks.common import BatchResult, Checkpoint, Policy, TrainResult, cache_version, lasting_dir
+from tasks.common import BatchResult, Checkpoint, Policy, TrainResult, cache_version, lasting_dir, load_critic, new_critic
 
 ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork")
 LOCAL_RESOURCES = Resources(cpu="2", mem="8Gi")
@@ -54,6 +54,7 @@ def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Ch
     out = artifact_path(root, "checkpoint", 0, cfg, algo, policy.dir.path)
     with atomic_dir(out) as tmp:
         hf_to_torch_dist(policy.dir.path, tmp, cfg.seed)
+        new_critic(algo, cfg, policy.dir.path, tmp)
         copy_tokenizer(policy.dir.path, tmp)
     return Checkpoint(dir=lasting_dir(out), step=0)
 
@@ -67,12 +68,16 @@ def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: Rol
     samples = read_batch(batch.batch.path, scored=True, reward_range=(reward.min, reward.max))
     trainer = MegatronTrainer.load(ckpt.dir.path, cfg)
     ref = MegatronTrainer.from_hf(reference.dir.path, cfg) if algo.kl_coef > 0 else None
+    critic = load_critic(algo, cfg, ckpt.dir.path)  # a replica per rank: each trains it on the whole batch alike
     pad_id = AutoTokenizer.from_pretrained(ckpt.dir.path).pad_token_id
     plugin(hooks, "hooks", "before_train_step")(trainer, samples, iteration)
-    metrics = loop.train(trainer, samples, algo, rollout.n_samples, rollout.temperature, pad_id, reference=ref, horizon=rollout.max_new_tokens)
+    metrics = loop.train(
+        trainer, samples, algo, rollout.n_samples, rollout.temperature, pad_id, reference=ref, critic=critic,
+        horizon=rollout.max_new_tokens, train_policy=critic is None or iteration >= algo.critic_warmup_steps,
+    )
     plugin(hooks, "hooks", "after_train_step")(trainer, metrics, iteration)
     out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, ckpt.dir.path, batch.batch.path)
-    trainer.save_atomically(out, ckpt.dir.path)
+    trainer.save_atomically(out, ckpt.dir.path, also=(lambda tmp: critic.save(str(tmp / "critic"))) if critic else None)
     plugin(hooks, "hooks", "after_save")(str(out), iteration)
     return TrainResult(ckpt=Checkpoint(dir=lasting_dir(out), step=trainer.step), metrics=metrics)
 

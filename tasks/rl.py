@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from typing import Optional
 
 from flytekit import task
@@ -23,17 +22,13 @@ from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine, weight_update_metrics
 from miles_core.schemas import read_batch, write_batch
 from miles_core.storage import artifact_path, atomic_dir
-from miles_core.train.torch_backend import TorchCritic, TorchTrainer
+from miles_core.train.torch_backend import TorchTrainer
 from miles_core.weights.publish import copy_tokenizer, publish as publish_policy
-from tasks.common import BatchResult, Checkpoint, Dataset, Policy, RolloutResult, TrainResult, cache_version, lasting_dir, lasting_file
+from tasks.common import BatchResult, load_critic, new_critic, Checkpoint, Dataset, Policy, RolloutResult, TrainResult, cache_version, lasting_dir, lasting_file
 
 
 def _prompts(dataset_file, data: DataConfig):
     return load_prompts(dataset_file.path, data.input_key, data.label_key, data.metadata_key)
-
-
-def _critic_cfg(algo: AlgoConfig, cfg: TrainConfig) -> TrainConfig:
-    return dataclasses.replace(cfg, lr=algo.critic_lr)
 
 
 def _scorer(reward: RewardConfig, tokenizer, group_size: int):
@@ -46,8 +41,7 @@ def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Ch
     out = artifact_path(root, "checkpoint", 0, cfg, algo, policy.dir.path)
     with atomic_dir(out) as tmp:
         TorchTrainer.from_hf(policy.dir.path, cfg).save(str(tmp))
-        if algo.advantage == "ppo":
-            TorchCritic.from_hf(policy.dir.path, _critic_cfg(algo, cfg)).save(str(tmp / "critic"))
+        new_critic(algo, cfg, policy.dir.path, tmp)
         copy_tokenizer(policy.dir.path, tmp)
     return Checkpoint(dir=lasting_dir(out), step=0)
 
@@ -85,8 +79,7 @@ def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: Rol
           ckpt: Checkpoint, batch: BatchResult, reference: Policy, iteration: int, root: str) -> TrainResult:
     samples = read_batch(batch.batch.path, scored=True, reward_range=(reward.min, reward.max))
     trainer = TorchTrainer.load(ckpt.dir.path, cfg)
-    critic_dir = Path(ckpt.dir.path) / "critic"
-    critic = TorchCritic.load(str(critic_dir), _critic_cfg(algo, cfg)) if algo.advantage == "ppo" else None
+    critic = load_critic(algo, cfg, ckpt.dir.path)
     ref = TorchTrainer.from_hf(reference.dir.path, cfg) if algo.kl_coef > 0 else None
     pad_id = AutoTokenizer.from_pretrained(ckpt.dir.path).pad_token_id
     plugin(hooks, "hooks", "before_train_step")(trainer, samples, iteration)

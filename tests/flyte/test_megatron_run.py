@@ -10,8 +10,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.conftest import final_policy, run_workflow
+from tests.conftest import REPO, final_policy, run_workflow
 
 pytestmark = [pytest.mark.flyte, pytest.mark.integration]
 
@@ -40,3 +41,17 @@ def test_published_policies_are_hf_directories_with_lineage(megatron_run):
     assert manifest["parent_version"] == manifest["version"] - 1 and "checkpoint" in manifest["source"]
     assert (policy / "model.safetensors").exists() and (policy / "tokenizer.json").exists()
     assert "iteration 1" in out.stdout + out.stderr
+
+
+def test_ppo_trains_its_critic_beside_the_megatron_policy():
+    """PPO on the megatron backend at smoke size: the critic warms up alone in iteration 1, then both train."""
+    with tempfile.TemporaryDirectory(prefix="megatron-ppo-") as tmp:
+        recipe, root = Path(tmp) / "ppo.yaml", Path(tmp) / "runs"
+        values = yaml.safe_load((REPO / "recipes" / "smoke.yaml").read_text())
+        values |= {"extends": str(REPO / "recipes" / "ppo.yaml"), "iterations": 2, "algo": {"critic_warmup_steps": 1}}
+        recipe.write_text(yaml.safe_dump(values))
+        run_workflow(str(recipe), root, Path(tmp) / "home", "train.backend=megatron")
+        checkpoints = sorted(p.parent for p in root.glob("checkpoint/*/trainer_state.json"))
+        assert [json.loads((c / "trainer_state.json").read_text())["step"] for c in checkpoints] == [0, 2]  # policy: iteration 2 only
+        critic_steps = [json.loads((c / "critic" / "trainer_state.json").read_text())["step"] for c in checkpoints]
+        assert critic_steps == [2, 4]  # the critic trained in both iterations (2 mini-batches each)

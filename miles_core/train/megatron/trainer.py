@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -128,8 +128,9 @@ class MegatronTrainer:
             (Path(ckpt_dir) / "config.json").write_text(json.dumps(self.hf_config, indent=2))
         dist.barrier()
 
-    def save_atomically(self, out_dir: str | Path, tokenizer_dir: str) -> None:
-        """`save` by every rank into one temporary sibling that rank 0 renames into place when complete."""
+    def save_atomically(self, out_dir: str | Path, tokenizer_dir: str, also: Callable[[Path], None] | None = None) -> None:
+        """`save` by every rank into one temporary sibling that rank 0 renames into place when complete;
+        `also(tmp)` lets rank 0 add files (e.g. PPO's critic) before the rename."""
         out = Path(out_dir)
         tmp = out.with_name(f".{out.name}.tmp-megatron")
         if dist.get_rank() == 0:
@@ -139,6 +140,8 @@ class MegatronTrainer:
         self.save(str(tmp))
         if dist.get_rank() == 0:
             copy_tokenizer(tokenizer_dir, tmp)
+            if also is not None:
+                also(tmp)
             shutil.rmtree(out, ignore_errors=True)
             os.replace(tmp, out)
         dist.barrier()
