@@ -162,6 +162,10 @@ class SGLangEngine:
         self._update(lambda: self._broadcast(named_tensors, version), "distributed", version)
         self.weight_version = version
 
+    def load_state_dict(self, state: dict, version: int) -> None:
+        """A trainer's in-memory weights (the async phase's push), broadcast into the servers."""
+        self.update_weights_from_tensors(state.items(), version)
+
     def _update(self, apply, how: str, version: int) -> None:
         started = time.perf_counter()
         with self._lock:
