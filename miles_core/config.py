@@ -420,6 +420,8 @@ class RunConfig:
             _check(self.async_phase.queue_size >= self.rollout.prompts_per_step, "async_phase.queue_size", f"must be >= rollout.prompts_per_step ({self.rollout.prompts_per_step}): the trainer takes that many groups per step")
             _check(self.algo.advantage != "ppo", "async_phase.schedule", "async phases do not train a critic yet: use a critic-free estimator or schedule: sync")
             _check(not self.rollout.dynamic_sampling, "async_phase.schedule", "async phases do not run dynamic sampling (rollout.dynamic_sampling)")
+            _check(self.rollout.engine != "sglang" or not self.rollout.sglang.urls.strip() or self.async_phase.rollout_workers == 1, "async_phase.rollout_workers",
+                   "attached SGLang servers (rollout.sglang.urls) take weights from one rollout actor: set 1, or let each actor launch its own servers")
             _check(self.async_phase.sync_iterations < self.iterations, "async_phase.sync_iterations", f"must be < iterations ({self.iterations}) so that an async phase runs")
 
 

@@ -124,7 +124,8 @@ def test_a_weight_push_that_times_out_fails_the_phase_clearly(cluster, start, tm
 
 
 def test_an_async_phase_rolls_out_in_a_real_sglang_server(cluster, start, tmp_path):
-    """The rollout actor's engine is SGLang (CPU), attached by URL to a server launched here; every
+    """The rollout actor's engine is SGLang (CPU), attached by URL to a server launched here (one actor:
+    a server takes weights from one client); every
     weight push is broadcast into it over a gloo process group, and its samples carry the versions
     the server reports."""
     from miles_core.config import SGLangConfig
@@ -136,7 +137,7 @@ def test_an_async_phase_rolls_out_in_a_real_sglang_server(cluster, start, tmp_pa
     server = SGLangEngine(SGLangConfig(startup_timeout_s=600), str(root / "policy"), version=1)
     try:
         rollout = dataclasses.replace(cfg.rollout, engine="sglang", sglang=SGLangConfig(urls=server.servers[0].url, weight_sync="distributed"))
-        spec = dataclasses.replace(spec_for(start, update_weights_interval=1, max_staleness=1), rollout=rollout)
+        spec = dataclasses.replace(spec_for(start, update_weights_interval=1, max_staleness=1, rollout_workers=1), rollout=rollout)
         result = run_phase(spec, str(tmp_path / "ckpt"))
     finally:
         server.close()

@@ -49,6 +49,7 @@ def test_overrides_only_change_what_they_name(tmp_path):
         ("iterations: 0\n", "iterations: must be >= 1"),
         ("algo: {advantage: ppo2}\n", "algo.advantage: unknown estimator 'ppo2'"),
         ("rollout: {n_samples: 1}\nalgo: {advantage: rloo}\n", "algo.advantage: rloo needs rollout.n_samples >= 2"),
+        ("rollout: {engine: sglang, sglang: {urls: 'http://h:1'}}\nasync_phase: {schedule: async}\n", "async_phase.rollout_workers: attached SGLang servers"),
         ("train: [lr\n", "not valid YAML"),
     ],
 )
