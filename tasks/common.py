@@ -18,8 +18,10 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
 import miles_core
-from miles_core.config import AlgoConfig, TrainConfig, config_hash
+from miles_core import loop
+from miles_core.config import AlgoConfig, HooksConfig, RolloutConfig, TrainConfig, config_hash
 from miles_core.data.source import DataState
+from miles_core.plugins import plugin
 from miles_core.storage import digest
 from miles_core.train.torch_backend import TorchCritic
 
@@ -122,3 +124,15 @@ def new_critic(algo: AlgoConfig, cfg: TrainConfig, policy_dir: str, ckpt_dir) ->
 def load_critic(algo: AlgoConfig, cfg: TrainConfig, ckpt_dir: str) -> TorchCritic | None:
     """The critic saved beside a checkpoint (PPO), else None."""
     return TorchCritic.load(str(Path(ckpt_dir) / "critic"), _critic_cfg(algo, cfg)) if algo.advantage == "ppo" else None
+
+
+def rl_step(trainer, samples, algo: AlgoConfig, rollout: RolloutConfig, hooks: HooksConfig, pad_id: int, reference, critic, iteration: int) -> dict[str, float]:
+    """`loop.train` between the before/after train-step hooks, for either backend's trainer; PPO's
+    critic trains alone for its warm-up iterations."""
+    plugin(hooks, "hooks", "before_train_step")(trainer, samples, iteration)
+    metrics = loop.train(
+        trainer, samples, algo, rollout.n_samples, rollout.temperature, pad_id, reference=reference, critic=critic,
+        horizon=rollout.max_new_tokens, train_policy=critic is None or iteration >= algo.critic_warmup_steps,
+    )
+    plugin(hooks, "hooks", "after_train_step")(trainer, metrics, iteration)
+    return metrics

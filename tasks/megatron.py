@@ -14,7 +14,6 @@ from flytekitplugins.kfpytorch import Elastic
 from transformers import AutoTokenizer
 
 from containers.images import cpu_image
-from miles_core import loop
 from miles_core.checkpoint.torch_dist import TorchDistCheckpoint, hf_to_torch_dist
 from miles_core.config import AlgoConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.plugins import plugin
@@ -22,7 +21,7 @@ from miles_core.schemas import read_batch
 from miles_core.storage import artifact_path, atomic_dir
 from miles_core.train.megatron.trainer import MegatronTrainer
 from miles_core.weights.publish import copy_tokenizer, publish as publish_policy
-from tasks.common import BatchResult, Checkpoint, Policy, TrainResult, cache_version, lasting_dir, load_critic, new_critic
+from tasks.common import BatchResult, Checkpoint, Policy, TrainResult, cache_version, lasting_dir, load_critic, new_critic, rl_step
 
 ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork")
 LOCAL_RESOURCES = Resources(cpu="2", mem="8Gi")
@@ -70,12 +69,7 @@ def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: Rol
     ref = MegatronTrainer.from_hf(reference.dir.path, cfg) if algo.kl_coef > 0 else None
     critic = load_critic(algo, cfg, ckpt.dir.path)  # a replica per rank: each trains it on the whole batch alike
     pad_id = AutoTokenizer.from_pretrained(ckpt.dir.path).pad_token_id
-    plugin(hooks, "hooks", "before_train_step")(trainer, samples, iteration)
-    metrics = loop.train(
-        trainer, samples, algo, rollout.n_samples, rollout.temperature, pad_id, reference=ref, critic=critic,
-        horizon=rollout.max_new_tokens, train_policy=critic is None or iteration >= algo.critic_warmup_steps,
-    )
-    plugin(hooks, "hooks", "after_train_step")(trainer, metrics, iteration)
+    metrics = rl_step(trainer, samples, algo, rollout, hooks, pad_id, ref, critic, iteration)
     out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, ckpt.dir.path, batch.batch.path)
     trainer.save_atomically(out, ckpt.dir.path, also=(lambda tmp: critic.save(str(tmp / "critic"))) if critic else None)
     plugin(hooks, "hooks", "after_save")(str(out), iteration)

@@ -24,7 +24,7 @@ from miles_core.schemas import read_batch, write_batch
 from miles_core.storage import artifact_path, atomic_dir
 from miles_core.train.torch_backend import TorchTrainer
 from miles_core.weights.publish import copy_tokenizer, publish as publish_policy
-from tasks.common import BatchResult, load_critic, new_critic, Checkpoint, Dataset, Policy, RolloutResult, TrainResult, cache_version, lasting_dir, lasting_file
+from tasks.common import BatchResult, load_critic, new_critic, rl_step, Checkpoint, Dataset, Policy, RolloutResult, TrainResult, cache_version, lasting_dir, lasting_file
 
 
 def _prompts(dataset_file, data: DataConfig):
@@ -82,12 +82,7 @@ def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: Rol
     critic = load_critic(algo, cfg, ckpt.dir.path)
     ref = TorchTrainer.from_hf(reference.dir.path, cfg) if algo.kl_coef > 0 else None
     pad_id = AutoTokenizer.from_pretrained(ckpt.dir.path).pad_token_id
-    plugin(hooks, "hooks", "before_train_step")(trainer, samples, iteration)
-    metrics = loop.train(
-        trainer, samples, algo, rollout.n_samples, rollout.temperature, pad_id, reference=ref, critic=critic,
-        horizon=rollout.max_new_tokens, train_policy=critic is None or iteration >= algo.critic_warmup_steps,
-    )
-    plugin(hooks, "hooks", "after_train_step")(trainer, metrics, iteration)
+    metrics = rl_step(trainer, samples, algo, rollout, hooks, pad_id, ref, critic, iteration)
     out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, ckpt.dir.path, batch.batch.path)
     with atomic_dir(out) as tmp:
         trainer.save(str(tmp))
