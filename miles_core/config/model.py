@@ -1,0 +1,36 @@
+"""model: the policy's architecture and size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_core.config.base import check as _check
+
+
+MODEL_ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The tiny policy built from a seed (standard HF architecture, local tokenizer)."""
+
+    arch: str = "qwen2"  # qwen2 | qwen3 | llama | qwen3_moe
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    seed: int = 0
+    num_experts: int = 8  # qwen3_moe: routed experts per MoE layer
+    moe_top_k: int = 2  # qwen3_moe: experts per token
+    moe_intermediate_size: int = 64  # qwen3_moe: each expert's FFN width
+
+    def __post_init__(self):
+        _check(self.arch in MODEL_ARCHS, "model.arch", f"must be one of {', '.join(MODEL_ARCHS)}, got {self.arch!r}")
+        _check(self.num_experts >= 2 and self.moe_intermediate_size > 0, "model.num_experts", "need num_experts >= 2 and moe_intermediate_size > 0")
+        _check(1 <= self.moe_top_k <= self.num_experts, "model.moe_top_k", f"must be in [1, num_experts={self.num_experts}]")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            _check(getattr(self, name) > 0, f"model.{name}", "must be > 0")
+        _check(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by num_heads")
+        _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", "must divide num_heads")
+

@@ -1,0 +1,130 @@
+"""Recipes: YAML files of overrides read into a RunConfig, checked key by key; hashing and flattening.
+
+`python -m miles_core.config RECIPE [key=value ...]` prints the resolved config as JSON (what
+`pyflyte run ... --cfg` takes) or the error and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import typing
+from pathlib import Path
+
+import yaml
+
+from miles_core.config.base import ConfigError
+from miles_core.config.run import RunConfig
+
+
+def config_hash(obj) -> str:
+    """A short stable hash of a config (section) for tags, paths and cache keys."""
+    blob = json.dumps(dataclasses.asdict(obj), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def flatten(obj, prefix: str = "") -> dict[str, object]:
+    """{"train.lr": 0.001, ...}: the flattened config, e.g. for MLflow params."""
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out.update(flatten(value, key + "."))
+        else:
+            out[key] = value
+    return out
+
+
+def _build(cls, values: dict, path: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path or 'recipe'}: expected a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in known:
+            raise ConfigError(f"{key_path}: unknown key (known: {', '.join(sorted(known))})")
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            kwargs[key] = _build(kind, value, key_path)
+        else:
+            kwargs[key] = _coerce(kind, value, key_path)
+    return cls(**kwargs)
+
+
+def _coerce(kind, value, key_path: str):
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[kind]
+    if not ok:
+        raise ConfigError(f"{key_path}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    return kind(value)
+
+
+def _read_values(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A recipe's values; `extends: other.yaml` (relative to the recipe) is read first and overridden."""
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict) or "extends" not in values:
+        return values
+    base = (path.parent / str(values.pop("extends"))).resolve()
+    if base in seen:
+        raise ConfigError(f"extends: {base} is extended in a cycle")
+    try:
+        return _merge(_read_values(base, (*seen, base)), values)
+    except FileNotFoundError:
+        raise ConfigError(f"extends: recipe file {base} not found") from None
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_recipe(path: str | Path, overrides: dict | None = None) -> RunConfig:
+    """Read a YAML recipe (overrides of the defaults), checked key by key; errors name the file."""
+    path = Path(path)
+    try:
+        values = _read_values(path.resolve())
+        for key, value in (overrides or {}).items():
+            _set_dotted(values, key, value)
+        cfg = _build(RunConfig, values, "")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: recipe file not found") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    return dataclasses.replace(cfg, run_root=str(Path(cfg.run_root).resolve()))
+
+
+def _set_dotted(values: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for key in parents:
+        values = values.setdefault(key, {})
+    values[last] = value
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m miles_core.config RECIPE.yaml [key=value ...]", file=sys.stderr)
+        return 2
+    overrides = {k: yaml.safe_load(v) for k, v in (arg.split("=", 1) for arg in argv[1:])}
+    from miles_core.plugins import PluginError, check_plugins  # imports the plug-points' modules (torch)
+
+    try:
+        cfg = load_recipe(argv[0], overrides)
+        check_plugins(cfg)
+    except (ConfigError, PluginError) as err:
+        print(f"bad recipe: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(dataclasses.asdict(cfg)))
+    return 0

@@ -1,0 +1,79 @@
+"""train, evaluation, publish, tracking, hooks: the trainer and what follows a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_core.config.base import check as _check
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    backend: str = "torch"
+    lr: float = 1e-3
+    warmup_steps: int = 0  # linear learning-rate warm-up over the first optimizer steps
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    mini_batches: int = 1  # optimizer steps per rollout batch
+    micro_batch_size: int = 128
+    seed: int = 0
+    # megatron backend (megatron-core): parallel sizes; data parallel = nproc_per_node / (tensor x pipeline)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1  # MoE experts split over this many data-parallel ranks
+    nproc_per_node: int = 2  # processes of the distributed train task (one per GPU on a GPU node)
+    megatron_dtype: str = "float32"  # float32 | bfloat16 (parameters and compute; grads reduced in fp32)
+    gpus_per_node: int = 0  # GPUs requested by the distributed train task's pods (0 = CPU)
+
+    def __post_init__(self):
+        _check(self.backend in ("torch", "megatron"), "train.backend", f"unknown backend {self.backend!r} (available: torch, megatron)")
+        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "nproc_per_node"):
+            _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _check(self.gpus_per_node in (0, self.nproc_per_node), "train.gpus_per_node", f"must be 0 (CPU) or nproc_per_node={self.nproc_per_node} (one process per GPU)")
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        _check(self.nproc_per_node % model_parallel == 0, "train.nproc_per_node", f"must be a multiple of tensor_parallel x pipeline_parallel = {model_parallel}")
+        _check((self.nproc_per_node // model_parallel) % self.expert_parallel == 0, "train.expert_parallel", "must divide the data-parallel size (nproc_per_node / (tensor x pipeline))")
+        _check(self.megatron_dtype in ("float32", "bfloat16"), "train.megatron_dtype", f"must be float32 or bfloat16, got {self.megatron_dtype!r}")
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(self.grad_clip > 0, "train.grad_clip", "must be > 0")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _check(self.mini_batches > 0, "train.mini_batches", "must be > 0")
+        _check(self.micro_batch_size > 0, "train.micro_batch_size", "must be > 0")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    interval: int = 5  # evaluate every k iterations (and at the end)
+    max_new_tokens: int = 8
+    batch_size: int = 256
+    fn: str = "miles_core.loop:evaluate"  # plug-point: fn(engine, prompts, tokenizer, reward_fn, reward, cfg, generate_fn)
+
+    def __post_init__(self):
+        _check(self.interval > 0, "evaluation.interval", "must be > 0")
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    dtype: str = "float32"  # dtype of the published HF safetensors
+
+    def __post_init__(self):
+        _check(self.dtype in ("float32", "bfloat16", "float16"), "publish.dtype", f"unknown dtype {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    experiment: str = ""  # empty = the recipe name
+    tracking_uri: str = ""  # empty = sqlite store under the run root
+
+
+@dataclass(frozen=True)
+class HooksConfig:
+    """Plug-points called around the training step; signatures in miles_core/hooks.py."""
+
+    before_train_step: str = "miles_core.hooks:before_train_step"
+    after_train_step: str = "miles_core.hooks:after_train_step"
+    after_save: str = "miles_core.hooks:after_save"
+    rollout_log: str = "miles_core.hooks:rollout_log"
+
