@@ -94,11 +94,12 @@ def _read_jsonl(path: Path, max_line_bytes: int):
 
 
 def _read_parquet(path: Path, max_line_bytes: int):
-    import pyarrow.parquet as pq  # only parquet prompt files need it
+    import pyarrow as pa  # only parquet prompt files need it
+    import pyarrow.parquet as pq
 
     try:
         rows = pq.read_table(path).to_pylist()
-    except Exception as err:  # pyarrow raises several types for unreadable files
+    except (pa.ArrowException, OSError, ValueError) as err:  # the types pyarrow raises for unreadable files
         raise DataError(f"{path}: not a readable parquet file ({type(err).__name__}: {str(err)[:200]})") from None
     return enumerate(rows, start=1)
 

@@ -6,7 +6,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from miles_core.data.source import DataError, DataState, Prompt, PromptSource, load_prompts
+from miles_core.data.source import (
+    DataError,
+    DataState,
+    Prompt,
+    PromptSource,
+    load_prompts,
+)
 
 
 def write_lines(path, lines):
