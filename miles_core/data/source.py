@@ -113,8 +113,9 @@ def _check_value(value, where: str, depth: int = 0) -> None:
         raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, str):
         _check_text(value, where)
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise DataError(f"{where}: not a finite number ({value!r})")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise DataError(f"{where}: not a finite number ({value!r})")
     elif isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
