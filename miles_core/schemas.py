@@ -118,7 +118,7 @@ class ScoredBatchSchema(RolloutBatchSchema):
 
     @pa.check("reward", name="finite_reward")
     def finite_reward(cls, reward: Series[float]) -> Series[bool]:
-        return reward.map(math.isfinite)
+        return reward.map(lambda r: isinstance(r, (int, float, np.number)) and math.isfinite(r))
 
 
 # The columns each row-wise check reads: named in its error, and a missing one is reported once, as missing.
@@ -209,8 +209,8 @@ def _describe(err: SchemaErrors, frame: pd.DataFrame) -> str:
             columns = list(ROW_CHECK_COLUMNS[str(check)])
         what = f"column {columns[0]}" if len(columns) == 1 else f"columns {', '.join(columns)}" if columns else "row"
         where = _at(frame, rows) if rows else f"{[str(c)[:60] for c in group['failure_case'].tolist()[:5]]}"
-        if str(check) == "column_in_dataframe":  # pandera names the schema as the column: name what is missing instead
-            what = "missing columns"
+        # for these pandera names the schema as the column: say what is missing or unexpected instead
+        what = {"column_in_dataframe": "missing columns", "column_in_schema": "unexpected columns"}.get(str(check), what)
         lines.append(f"{what}: check {str(check)[:80]!r} failed at {where}")
     more = f"; and {len(lines) - 3} more failed checks" if len(lines) > 3 else ""
     return "; ".join(lines[:3]) + more
