@@ -14,7 +14,13 @@ from torch import Tensor
 from miles_core.algos import advantages as adv
 from miles_core.algos.corrections import importance_weights
 from miles_core.algos.kl import kl_penalty
-from miles_core.algos.losses import cispo_loss, clamped_exp, gspo_loss, ppo_clip_loss, value_loss
+from miles_core.algos.losses import (
+    cispo_loss,
+    clamped_exp,
+    gspo_loss,
+    ppo_clip_loss,
+    value_loss,
+)
 from miles_core.config import AlgoConfig
 
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from miles_core.config.base import check as _check
 from miles_core.config.base import check_finite
 
-
 ADVANTAGES = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

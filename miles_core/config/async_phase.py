@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from miles_core.config.base import check as _check
 from miles_core.config.base import check_finite
 
-
 SCHEDULES = ("sync", "async", "mixed")
 STALE_POLICIES = ("drop", "regenerate")
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from miles_core.config.base import check as _check
 from miles_core.config.base import check_finite
 
-
 MODEL_ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from miles_core.config.base import check as _check
 from miles_core.config.base import check_finite
 
-
 WEIGHT_SYNC_MODES = ("disk", "distributed")
 PAUSE_MODES = ("abort", "retract", "in_place")
 SGLANG_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")

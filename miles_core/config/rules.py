@@ -10,7 +10,8 @@ async phases with what they do not run.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from miles_core.config.base import ConfigError
 

@@ -10,12 +10,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_core.algos.advantages import broadcast_to_tokens, discounted_returns, gae, grpo_advantages
+from miles_core.algos.advantages import (
+    broadcast_to_tokens,
+    discounted_returns,
+    gae,
+    grpo_advantages,
+)
 from miles_core.algos.corrections import importance_weights
 from miles_core.algos.kl import entropy_from_logits, kl_penalty, token_logprobs
 from miles_core.algos.losses import masked_mean, ppo_clip_loss
-from miles_core.algos.objective import compute_advantages, is_weights
-from miles_core.algos.objective import policy_loss as policy_loss_of
+from miles_core.algos.objective import compute_advantages, is_weights, policy_loss
 from miles_core.config import AlgoConfig
 
 # Behaviour only: no per-example deadline, few examples so the file stays fast.
@@ -313,16 +317,16 @@ def _extreme_log_ratios():
     return logprobs, logprobs.detach() - torch.tensor([[100.0, -100.0, 0.0]])
 
 
-@pytest.mark.parametrize("policy_loss, dual_clip", [("ppo", 0.0), ("ppo", 3.0), ("gspo", 0.0), ("cispo", 0.0)])
+@pytest.mark.parametrize("loss_name, dual_clip", [("ppo", 0.0), ("ppo", 3.0), ("gspo", 0.0), ("cispo", 0.0)])
 @pytest.mark.parametrize("sign", [1.0, -1.0, 0.0])
 @pytest.mark.parametrize("kl_type", ["k1", "k2", "low_var_kl"])
-def test_every_ratio_loss_is_finite_at_log_ratios_of_100(policy_loss, dual_clip, sign, kl_type):
+def test_every_ratio_loss_is_finite_at_log_ratios_of_100(loss_name, dual_clip, sign, kl_type):
     # unclamped, exp(100) is inf in float32: -A * inf is +-inf, 0 * inf is NaN, and so are the gradients
     logprobs, old = _extreme_log_ratios()
-    algo = AlgoConfig(policy_loss=policy_loss, dual_clip=dual_clip, kl_coef=0.1, kl_type=kl_type, kl_unbiased=True, is_correction="tis")
+    algo = AlgoConfig(policy_loss=loss_name, dual_clip=dual_clip, kl_coef=0.1, kl_type=kl_type, kl_unbiased=True, is_correction="tis")
     weights, metrics = is_weights(algo, logprobs.detach(), old, torch.ones(1, 3))
     extras = {"old_logprobs": old, "advantages": torch.full((1, 3), sign), "ref_logprobs": old + 50.0, "is_weights": weights}
-    loss, terms = policy_loss_of(algo, logprobs, torch.zeros(1, 3), torch.ones(1, 3), extras)
+    loss, terms = policy_loss(algo, logprobs, torch.zeros(1, 3), torch.ones(1, 3), extras)
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logprobs.grad).all()
     assert all(torch.isfinite(v).all() for v in terms.values()) and all(math.isfinite(v) for v in metrics.values())
