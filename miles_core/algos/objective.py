@@ -31,6 +31,10 @@ def compute_advantages(algo: AlgoConfig, rewards: Tensor, mask: Tensor, group_si
     kl [B, T] per-token KL to the reference when algo.kl_in_reward, else None; values [B, T]
     the critic's when algo.advantage == "ppo", else None. Returns advantages [B, T] and the
     critic's regression targets [B, T] (None without a critic).
+    Groups of one: grpo and reinforce_plus_plus_baseline give outcome advantage 0, rloo raises
+    ValueError, reinforce_plus_plus and ppo read no groups. Token-level estimators (ppo,
+    reinforce_plus_plus*) skip masked positions inside a row (see advantages.py): pass the loss
+    mask to skip tool outputs, the response mask to treat them as steps.
     """
     shaped = algo.kl_coef if algo.kl_in_reward else 0.0
     if algo.advantage == "ppo":
