@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 import typing
 from pathlib import Path
@@ -65,12 +66,17 @@ def _coerce(kind, value, key_path: str):
     }[kind]
     if not ok:
         raise ConfigError(f"{key_path}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    if kind is float and not math.isfinite(value):  # YAML's .nan / .inf: no range check would read them as meant
+        raise ConfigError(f"{key_path}: must be a finite number, got {value}")
     return kind(value)
 
 
 def _read_values(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """A recipe's values; `extends: other.yaml` (relative to the recipe) is read first and overridden."""
-    values = yaml.safe_load(path.read_text()) or {}
+    """A recipe's values; `extends: other.yaml` (relative to the recipe) is read first and overridden.
+    An empty file (or one of comments only, or `{}`) is refused: it would silently run the defaults."""
+    values = yaml.safe_load(path.read_text())
+    if values is None or values == {}:
+        raise ConfigError(f"{path.name} is empty: write the keys it overrides (at least `name:`), or `extends: other.yaml`")
     if not isinstance(values, dict) or "extends" not in values:
         return values
     base = (path.parent / str(values.pop("extends"))).resolve()
