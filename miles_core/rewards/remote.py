@@ -98,6 +98,8 @@ def _post(url: str, body: bytes, deadline: float, max_bytes: int) -> tuple[int, 
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             raise RemoteRewardError(f"reply of {declared} bytes is over reward.remote_max_response_bytes={max_bytes}")
         data = reply.read(max_bytes + 1)
+        if time.monotonic() >= deadline:  # the watchdog shut the socket: what was read may be cut short
+            raise _Retryable("did not answer within the deadline")
         if len(data) > max_bytes:
             raise RemoteRewardError(f"reply is over reward.remote_max_response_bytes={max_bytes} (body cut off unread)")
         return reply.status, data
