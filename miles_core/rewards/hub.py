@@ -4,8 +4,8 @@ Every function has the `RewardFn` signature `(response, label, metadata) -> floa
 response's *final turn*: in a multi-turn response (rollout/multi_turn.py) the text after the last
 `assistant` turn, so a number inside a tool call or a tool's output is never taken for the answer.
 
-* `math_answer`: math-verify (`math_verify.parse` + `verify`) of the final turn against the label:
-  LaTeX, boxed answers, fractions, decimals, sets and equations are compared symbolically.
+* `math_answer`: the final turn judged as mathematics against the label (rewards/math.py `verified`:
+  math-verify in a worker process with a deadline; the gold's whole answer against the final answer).
 * `boxed_math`: the same, but only the last `\\boxed{...}` counts; no box scores 0.
 * `integer`: the first integer of the final turn equals the integer label (rewards/math.py).
 * `exact_match` / `f1`: SQuAD-style normalised string equality / token-level F1 for short answers.
@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import collections
 import string
-import threading
 
 import regex  # time-limited matching (a dependency of transformers)
-from math_verify import parse, verify
 
 from miles_core.config import RewardConfig
-from miles_core.rewards.math import integer_answer
+from miles_core.rewards.math import integer_answer, last_boxed, verified
 from miles_core.rewards.remote import RemotePolicy, remote_reward
 
 _LAST_ASSISTANT = "\nassistant\n"  # how a tool turn ends, once special tokens are stripped
@@ -42,39 +40,13 @@ def final_turn(response: str) -> str:
     return response.rsplit(_LAST_ASSISTANT, 1)[-1]
 
 
-def extract_boxed(text: str) -> str | None:
-    r"""The content of the last \boxed{...} (braces balanced), else None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin - 1, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[begin:i]
-    return None
-
-
-def _timeouts() -> dict:
-    # math-verify's timeouts use SIGALRM, which only the main thread may set
-    on_main = threading.current_thread() is threading.main_thread()
-    return {} if on_main else {"parsing_timeout": None}
-
-
-def _verified(gold: str, answer: str) -> float:
-    kwargs = _timeouts()
-    target = parse(answer, **kwargs)
-    expected = parse(gold if "$" in gold or "\\" in gold else f"${gold}$", **kwargs)
-    return float(bool(target) and verify(expected, target, **({} if not kwargs else {"timeout_seconds": None})))
-
-
 def math_answer(response: str, label: str, metadata: dict) -> float:
-    return _verified(str(label), final_turn(response))
+    return verified(str(label), final_turn(response))
 
 
 def boxed_math(response: str, label: str, metadata: dict) -> float:
-    boxed = extract_boxed(final_turn(response))
-    return 0.0 if boxed is None else _verified(str(label), f"\\boxed{{{boxed}}}")
+    boxed = last_boxed(final_turn(response))
+    return 0.0 if boxed is None else verified(str(label), f"\\boxed{{{boxed}}}")
 
 
 def integer(response: str, label: str, metadata: dict) -> float:
@@ -103,7 +75,7 @@ def f1(response: str, label: str, metadata: dict) -> float:
 
 
 def format_boxed(response: str, label: str, metadata: dict) -> float:
-    return float(final_turn(response).count("\\boxed{") == 1 and extract_boxed(final_turn(response)) is not None)
+    return float(final_turn(response).count("\\boxed{") == 1 and last_boxed(final_turn(response)) is not None)
 
 
 def format_regex(response: str, label: str, metadata: dict, reward_cfg: RewardConfig | None = None) -> float:

@@ -16,6 +16,7 @@ from miles_core import loop
 from miles_core.config import RewardConfig
 from miles_core.models.tiny import build_tokenizer
 from miles_core.rewards import hub
+from miles_core.rewards.math import last_boxed
 from miles_core.rewards.remote import RemotePolicy, RemoteRewardError, remote_reward
 from miles_core.samples import Sample
 
@@ -42,8 +43,8 @@ def test_math_answer_on_held_out_formats(response, label, expected):
 
 
 def test_boxed_extraction_and_boxed_math():
-    assert hub.extract_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
-    assert hub.extract_boxed("\\boxed{unclosed") is None and hub.extract_boxed("no box") is None
+    assert last_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{unclosed") is None and last_boxed("no box") is None
     assert hub.boxed_math("\\boxed{\\frac{2}{4}}", "1/2", {}) == 1.0
     assert hub.boxed_math("1/2", "1/2", {}) == 0.0  # right, but not boxed
 
