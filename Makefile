@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RECIPE ?= recipes/tiny_arith_cpu.yaml
+ARGS ?=
 UI_PORT ?= 5000
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
@@ -22,8 +23,9 @@ $(STAMP): pyproject.toml requirements.lock
 	command -v bwrap >/dev/null || apt-get install -y bubblewrap || sudo apt-get install -y bubblewrap  # code sandbox
 	touch $@
 
+# `make run RECIPE=recipes/x.yaml ARGS="sft.seed=1 model.seed=1"`: another recipe, keys overridden
 run: setup
-	cfg="$$($(PY) -m miles_core.config $(RECIPE))" && $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
+	cfg="$$($(PY) -m miles_core.config $(RECIPE) $(ARGS))" && $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
 
 test: setup sglang-env
 	$(PY) -m pytest -q

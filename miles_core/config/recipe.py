@@ -1,6 +1,6 @@
 """Recipes: YAML files of overrides read into a RunConfig, checked key by key; hashing and flattening.
 
-`python -m miles_core.config RECIPE [key=value ...]` prints the resolved config as JSON (what
+`python -m miles_core.config RECIPE [key=value ...]` (`seed=N`: every section's seed) prints the resolved config as JSON (what
 `pyflyte run ... --cfg` takes) or the error and exits 2.
 """
 
@@ -100,7 +100,7 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RunConfig:
     path = Path(path)
     try:
         values = _read_values(path.resolve())
-        for key, value in (overrides or {}).items():
+        for key, value in _expand_seed(overrides or {}).items():
             _set_dotted(values, key, value)
         cfg = _build(RunConfig, values, "")
     except FileNotFoundError:
@@ -110,6 +110,18 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RunConfig:
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     return dataclasses.replace(cfg, run_root=str(Path(cfg.run_root).resolve()))
+
+
+SEEDED_SECTIONS = ("model", "data", "sft", "rollout", "train")
+
+
+def _expand_seed(overrides: dict) -> dict:
+    """The override `seed=N` sets the seed of every seeded section (model, data, sft, rollout, train),
+    before any section's own `<section>.seed`."""
+    if "seed" not in overrides:
+        return overrides
+    rest = {k: v for k, v in overrides.items() if k != "seed"}
+    return {f"{section}.seed": overrides["seed"] for section in SEEDED_SECTIONS} | rest
 
 
 def _set_dotted(values: dict, dotted: str, value) -> None:

@@ -34,6 +34,11 @@ def test_overrides_only_change_what_they_name(tmp_path):
     assert Path(cfg.run_root).is_absolute()
 
 
+def test_seed_override_sets_every_seeded_section_before_their_own_seeds(tmp_path):
+    cfg = load_recipe(write(tmp_path, "name: t\nsft: {seed: 5}\n"), {"seed": 3, "rollout.seed": 9})
+    assert {s: getattr(cfg, s).seed for s in ("model", "data", "sft", "rollout", "train")} == {"model": 3, "data": 3, "sft": 3, "rollout": 9, "train": 3}
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [
