@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from miles_core.config.base import ConfigError
+from miles_core.config.bounded_yaml import clip, load_text, read_yaml, short
 from miles_core.config.run import RunConfig
 
 
@@ -46,7 +47,7 @@ def _build(cls, values: dict, path: str):
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
-        key_path = f"{path}.{key}" if path else str(key)
+        key_path = f"{path}.{clip(str(key))}" if path else clip(str(key))
         if key not in known:
             raise ConfigError(f"{key_path}: unknown key (known: {', '.join(sorted(known))})")
         kind = hints[key]
@@ -65,7 +66,7 @@ def _coerce(kind, value, key_path: str):
         str: isinstance(value, str),
     }[kind]
     if not ok:
-        raise ConfigError(f"{key_path}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{key_path}: expected {kind.__name__}, got {type(value).__name__} {short(value)}")
     if kind is float and not math.isfinite(value):  # YAML's .nan / .inf: no range check would read them as meant
         raise ConfigError(f"{key_path}: must be a finite number, got {value}")
     return kind(value)
@@ -74,16 +75,19 @@ def _coerce(kind, value, key_path: str):
 def _read_values(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """A recipe's values; `extends: other.yaml` (relative to the recipe) is read first and overridden.
     An empty file (or one of comments only, or `{}`) is refused: it would silently run the defaults."""
-    values = yaml.safe_load(path.read_text())
+    values = read_yaml(path)
     if values is None or values == {}:
         raise ConfigError(f"{path.name} is empty: write the keys it overrides (at least `name:`), or `extends: other.yaml`")
     if not isinstance(values, dict) or "extends" not in values:
         return values
-    base = (path.parent / str(values.pop("extends"))).resolve()
-    if base in seen:
+    extends = values.pop("extends")
+    if not isinstance(extends, str) or not extends or Path(extends).is_absolute():
+        raise ConfigError(f"extends: expected a recipe path relative to {path.name}, got {short(extends)}")
+    base = (path.parent / extends).resolve()
+    if base in (*seen, path):
         raise ConfigError(f"extends: {base} is extended in a cycle")
     try:
-        return _merge(_read_values(base, (*seen, base)), values)
+        return _merge(_read_values(base, (*seen, path)), values)
     except FileNotFoundError:
         raise ConfigError(f"extends: recipe file {base} not found") from None
 
@@ -106,7 +110,9 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RunConfig:
     except FileNotFoundError:
         raise ConfigError(f"{path}: recipe file not found") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raise ConfigError(f"{path}: not valid YAML: {clip(str(err))}") from None
+    except (IsADirectoryError, PermissionError) as err:
+        raise ConfigError(f"{path}: cannot read the recipe: {err.strerror}") from None
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     return dataclasses.replace(cfg, run_root=str(Path(cfg.run_root).resolve()))
@@ -126,20 +132,39 @@ def _expand_seed(overrides: dict) -> dict:
 
 def _set_dotted(values: dict, dotted: str, value) -> None:
     *parents, last = dotted.split(".")
+    if not all(dotted.split(".")):
+        raise ConfigError(f"override {short(dotted)}: empty key in the dotted path")
     for key in parents:
         values = values.setdefault(key, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"override {short(dotted)}: {key} is not a section")
     values[last] = value
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """`key=value` arguments, each value read as one YAML scalar or flow value."""
+    out = {}
+    for arg in args:
+        key, sep, text = arg.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {short(arg)}: expected key=value")
+        try:
+            out[key] = load_text(text)
+        except ConfigError as err:
+            raise ConfigError(f"override {short(key)}: {err}") from None
+        except yaml.YAMLError:
+            raise ConfigError(f"override {short(key)}: value {short(text)} is not a YAML value") from None
+    return out
 
 
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m miles_core.config RECIPE.yaml [key=value ...]", file=sys.stderr)
         return 2
-    overrides = {k: yaml.safe_load(v) for k, v in (arg.split("=", 1) for arg in argv[1:])}
     from miles_core.plugins import PluginError, check_plugins  # imports the plug-points' modules (torch)
 
     try:
-        cfg = load_recipe(argv[0], overrides)
+        cfg = load_recipe(argv[0], parse_overrides(argv[1:]))
         check_plugins(cfg)
     except (ConfigError, PluginError) as err:
         print(f"bad recipe: {err}", file=sys.stderr)

@@ -60,6 +60,7 @@ def tool_turn_tokens(tokenizer, output: str) -> list[int]:
     def text(s: str) -> list[int]:
         return tokenizer(s, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
+    output = output.encode("utf-8", "replace").decode("utf-8")  # unpaired surrogates become '?': the tokenizer takes only UTF-8
     return [*text("\n"), start, *text("tool\n"), *text(output), end, *text("\n"), start, *text("assistant\n")]
 
 
@@ -121,7 +122,8 @@ def _limits(settings: MultiTurnConfig) -> SandboxLimits:
 def _run_tool(call: tuple[str, str], allowed: list[str], limits: SandboxLimits, max_chars: int) -> tuple[str, bool]:
     name, argument = call
     if name not in allowed:
-        return f"error: unknown tool {name!r} (available: {', '.join(allowed)})", False
+        shown = name if len(name) <= 40 else name[:37] + "..."
+        return f"error: unknown tool {shown!r} (available: {', '.join(allowed)})", False
     output, ok = TOOLS[name](argument, limits)
     output = output.strip()
     return (output[:max_chars] + " ...[cut]" if len(output) > max_chars else output), ok

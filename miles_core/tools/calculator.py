@@ -57,6 +57,8 @@ def calculate(expression: str) -> int | float:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as err:
         raise CalculatorError(f"syntax error: {err.msg}") from None
+    except (ValueError, UnicodeError):  # NUL bytes (older Pythons), unpaired surrogates
+        raise CalculatorError("not plain text (NUL byte or unpaired surrogate)") from None
     value = _evaluate(tree)
     if isinstance(value, complex):
         raise CalculatorError("complex result")

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from miles_core.storage import atomic_dir, sha256_file
+from miles_core.weights.check import CheckpointError, json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -33,8 +34,19 @@ def write_manifest(policy_dir: str | Path, version: int, parent_version: int | N
     return manifest
 
 
+MANIFEST_KEYS = {"version": (int,), "parent_version": (int, type(None)), "source": (str,), "weights_sha256": (str,)}
+
+
 def read_manifest(policy_dir: str | Path) -> dict:
-    return json.loads((Path(policy_dir) / "policy.json").read_text())
+    """policy.json of a published version, each key checked; CheckpointError naming the file and key."""
+    path = Path(policy_dir) / "policy.json"
+    manifest = json_object(path, "the policy manifest")
+    for key, kinds in MANIFEST_KEYS.items():
+        if key not in manifest:
+            raise CheckpointError(f"{path}: key {key} missing")
+        if not isinstance(manifest[key], kinds) or isinstance(manifest[key], bool):
+            raise CheckpointError(f"{path}: key {key}: expected {' or '.join(k.__name__ for k in kinds)}, got {type(manifest[key]).__name__}")
+    return manifest
 
 
 def publish(trainer, ckpt_dir: str, out_dir: str | Path, dtype: str, version: int, parent_version: int | None) -> dict:

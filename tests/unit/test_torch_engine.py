@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from miles_core.rollout.base import Generation, RolloutEngine, SamplingParams
 from miles_core.rollout.engines.torch_engine import TorchEngine, sample_next_tokens
+from miles_core.weights.check import CheckpointError
 
 VOCAB = 64
 STOP_IDS = tuple(range(6))  # ~10% of the vocabulary: some responses stop, some run to length
@@ -213,7 +214,7 @@ def test_bad_inputs_are_named(engine, tmp_path):
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(CheckpointError, match="config.json: missing"):
         engine.load_weights(str(tmp_path), version=3)
     assert engine.weight_version == 7  # a failed load keeps the current policy
 

@@ -39,6 +39,7 @@ from miles_core.config import SGLangConfig, config_hash
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from miles_core.rollout.engines.sglang_server import SGLangError, SGLangServer, ServerUnreachable, free_port
 from miles_core.weights import sync
+from miles_core.weights.check import check_hf_dir
 
 log = logging.getLogger(__name__)
 MAX_RESUBMITS = 4  # a sequence aborted by this many consecutive weight updates is an error
@@ -148,8 +149,7 @@ class SGLangEngine:
         """Publish an HF weight directory into every server as `version` (no-op if already served)."""
         if (policy_dir, version) == (self.policy_dir, self.weight_version):
             return
-        if not (Path(policy_dir) / "config.json").is_file():
-            raise FileNotFoundError(f"policy_dir {policy_dir!r} has no config.json: not an HF weight directory")
+        check_hf_dir(policy_dir, tokenizer=False)  # refused here, not half-applied across the servers
         if self.cfg.weight_sync == "disk":
             payload = {"model_path": str(policy_dir), "weight_version": str(version), "flush_cache": False}
             self._update(lambda: self._on_all("/update_weights_from_disk", payload), "disk", version)

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from miles_core.weights.check import check_hf_dir
 
 
 def _read_pad_token_id(policy_dir: str, model) -> int:
@@ -113,8 +114,7 @@ class TorchEngine:
         self.load_weights(policy_dir, version)
 
     def load_weights(self, policy_dir: str, version: int) -> None:
-        if not os.path.isfile(os.path.join(policy_dir, "config.json")):
-            raise FileNotFoundError(f"policy_dir {policy_dir!r} has no config.json: not an HF weight directory")
+        check_hf_dir(policy_dir, tokenizer=False)  # a malformed directory is refused before any weight loads
         model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=self.dtype)
         model.eval()
         self.pad_token_id = _read_pad_token_id(policy_dir, model)
