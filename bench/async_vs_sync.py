@@ -24,7 +24,6 @@ import tempfile
 os.environ["HOME"] = tempfile.mkdtemp(prefix="bench-async-")  # a private Flyte cache for the preparation tasks
 
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -35,7 +34,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from miles_core import loop  # noqa: E402
+from miles_core.step import bind, optimize, scorer_of  # noqa: E402
+from miles_core.step import evaluate as evaluate_policy  # noqa: E402
 from miles_core.async_loop import PhaseSpec, load_in_memory, make_engine, run_phase  # noqa: E402
 from miles_core.config import load_recipe  # noqa: E402
 from miles_core.data.source import DataState, load_prompts  # noqa: E402
@@ -62,12 +62,13 @@ def run_sync(cfg, start, prompts, ckpt_dir: str, steps: int, threads: int):
     engine = make_engine(cfg.rollout, start.dir.path, start.version, threads=threads)
     trainer, tokenizer = TorchTrainer.load(ckpt_dir, cfg.train), AutoTokenizer.from_pretrained(ckpt_dir)
     source = plugin(cfg.data, "data", "source_fn")(prompts, cfg.data.seed, DataState())
-    scorer = functools.partial(loop.score, reward_fn=plugin(cfg.reward, "reward", "fn"), tokenizer=tokenizer, cfg=cfg.reward, group_size=cfg.rollout.n_samples)
+    fns = bind(rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, hooks=cfg.hooks, evaluation=cfg.evaluation)
+    scorer = scorer_of(fns, tokenizer)
     ready, consumed, rewards = time.perf_counter(), [], []
     for step in range(steps):
-        samples, _, _ = loop.rollout(engine, source, tokenizer, cfg.rollout, scorer, [], cfg.rollout.seed * 1_000_003 + step)
+        samples, _, _ = fns.rollout_fn(engine, source, tokenizer, fns, scorer, [], cfg.rollout.seed * 1_000_003 + step)
         rewards.append(scorer(samples)["reward/mean"])
-        loop.train(trainer, samples, cfg.algo, cfg.rollout.n_samples, cfg.rollout.temperature, tokenizer.pad_token_id, horizon=cfg.rollout.max_new_tokens)
+        optimize(trainer, samples, fns, tokenizer.pad_token_id)
         load_in_memory(engine, trainer.model.state_dict(), start.version + step + 1)
         consumed.append(samples)
     return summary(consumed, rewards, ready - started, time.perf_counter() - ready), engine
@@ -99,7 +100,7 @@ def summary(consumed, rewards, startup_s: float, run_s: float) -> dict:
 
 def held_out(cfg, engine, dataset, tokenizer) -> float:
     prompts = load_prompts(dataset.test.path, cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key)
-    return round(loop.evaluate(engine, prompts, tokenizer, plugin(cfg.reward, "reward", "fn"), cfg.reward, cfg.evaluation)["eval/accuracy"], 3)
+    return round(evaluate_policy(engine, prompts, tokenizer, bind(rollout=cfg.rollout, reward=cfg.reward, evaluation=cfg.evaluation))["eval/accuracy"], 3)
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 
 Runs the torch backend (1 process), then the megatron backend in 1 process, 2 processes with data
 parallel 2 and 2 processes with tensor parallel 2 (torchrun, gloo, 1 thread per process), each
-timing `loop.train` (old-logprob recompute + forward/backward + optimizer step) after a warm-up.
+timing `step.optimize` (old-logprob recompute + forward/backward + optimizer step) after a warm-up.
 The torch backend has no multi-process mode, so the 2-process ratios compare against it in 1 process.
 """
 
@@ -23,19 +23,19 @@ import torch
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/ (whose megatron.py would shadow megatron-core)
 
 from bench.trainer import batch  # noqa: E402  the same addition-shaped batch as the torch benchmark
-from miles_core.config import AlgoConfig, ModelConfig, TrainConfig  # noqa: E402
-from miles_core.loop import train  # noqa: E402
+from miles_core.config import ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
+from miles_core.step import bind, optimize  # noqa: E402
 from miles_core.models.tiny import build_tiny_model  # noqa: E402
 
 
 def time_steps(trainer, sequences: int, group: int, steps: int) -> dict:
     samples = batch(sequences, group, random.Random(0))
     tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-    train(trainer, samples, AlgoConfig(), group, 1.0, 0)  # warm-up
+    optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=group, temperature=1.0)), 0)  # warm-up
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        train(trainer, samples, AlgoConfig(), group, 1.0, 0)
+        optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=group, temperature=1.0)), 0)
         times.append(time.perf_counter() - started)
     best = min(times)
     return {"step_s_best": round(best, 4), "step_s_median": round(sorted(times)[len(times) // 2], 4), "tokens_per_s": round(tokens / best, 1), "tokens_per_step": tokens}

@@ -48,7 +48,7 @@ class EvalConfig:
     interval: int = 5  # evaluate every k iterations (and at the end)
     max_new_tokens: int = 8
     batch_size: int = 256
-    fn: str = "miles_core.loop:evaluate"  # plug-point: fn(engine, prompts, tokenizer, reward_fn, reward, cfg, generate_fn)
+    fn: str = "miles_core.step:evaluate"  # plug-point: fn(engine, prompts, tokenizer, fns)
 
     def __post_init__(self):
         _check(self.interval > 0, "evaluation.interval", "must be > 0")

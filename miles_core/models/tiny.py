@@ -162,26 +162,3 @@ def build_tiny_model(cfg: ModelConfig, out_dir: str) -> str:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return str(out_dir)
-
-
-def _as_ids(encoded) -> list[int]:
-    # transformers 5 returns a BatchEncoding from apply_chat_template; older versions a list.
-    if hasattr(encoded, "keys") and "input_ids" in encoded:
-        encoded = encoded["input_ids"]
-    if hasattr(encoded, "tolist"):
-        encoded = encoded.tolist()
-    if encoded and isinstance(encoded[0], list):
-        encoded = encoded[0]
-    return [int(i) for i in encoded]
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of the chat-templated user turn followed by the assistant generation prompt."""
-    messages = [{"role": "user", "content": text}]
-    return _as_ids(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
-
-
-def demonstration_tokens(tokenizer, response: str) -> list[int]:
-    """Token ids the model must generate after `encode_prompt`: the response, then `<|im_end|>`."""
-    ids = tokenizer.encode(response, add_special_tokens=False)
-    return [int(i) for i in ids] + [int(tokenizer.convert_tokens_to_ids(IM_END))]

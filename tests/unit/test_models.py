@@ -15,9 +15,8 @@ from miles_core.models.tiny import (
     PAD_TOKEN,
     build_tiny_model,
     build_tokenizer,
-    demonstration_tokens,
-    encode_prompt,
 )
+from miles_core.chat import prompt_tokens as encode_prompt, response_tokens as demonstration_tokens
 
 SAMPLES = ["123+456=", "47+85=", "What is (12-7)*3? Answer: 15.", "  two  spaces\n\ttab", "héllo 日本 ½", ""]
 

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from miles_core import loop
+from miles_core.step import bind, score
 from miles_core.config import RewardConfig
 from miles_core.models.tiny import build_tokenizer
 from miles_core.rewards import hub
@@ -150,7 +150,7 @@ def test_failed_reward_scores_the_fallback_and_is_counted():
     tokenizer = build_tokenizer()
     cfg = RewardConfig(fn="miles_core.rewards.hub:by_metadata", min=-1.0, fallback=-0.5, remote_url=f"http://127.0.0.1:{_free_port()}/score", remote_retries=0, remote_timeout_s=1.0)
     samples = [Sample("p", i, [1], tokenizer.encode("408", add_special_tokens=False), [0.0] * 3, [1] * 3, "stop", 0, "408", {"reward_type": "remote"}) for i in range(2)]
-    metrics = loop.score(samples, loop.reward_fn_of(cfg), tokenizer, cfg, group_size=2)
+    metrics = score(samples, bind(reward=cfg), tokenizer, group_size=2)
     assert [s.reward for s in samples] == [-0.5, -0.5] and metrics["reward/failures"] == 2.0
     assert "is down or unreachable" in samples[0].metadata["reward_error"]
 
