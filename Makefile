@@ -4,25 +4,28 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RECIPE ?= recipes/tiny_arith_cpu.yaml
+ARGS ?=
 UI_PORT ?= 5000
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test test-fast ui bench clean sglang-env
+.PHONY: setup run test test-fast ui bench clean sglang-env lock
 
 setup: $(STAMP)
 
-# CPU torch first, so nothing that depends on torch pulls a CUDA build.
-$(STAMP): pyproject.toml
+# Every package at the exact version and hash of requirements.lock (CPU torch included, so nothing
+# pulls a CUDA build), then the project itself without resolving anything.
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
 	command -v bwrap >/dev/null || apt-get install -y bubblewrap || sudo apt-get install -y bubblewrap  # code sandbox
 	touch $@
 
+# `make run RECIPE=recipes/x.yaml ARGS="sft.seed=1 model.seed=1"`: another recipe, keys overridden
 run: setup
-	cfg="$$($(PY) -m miles_core.config $(RECIPE))" && $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
+	cfg="$$($(PY) -m miles_core.config $(RECIPE) $(ARGS))" && $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
 
 test: setup sglang-env
 	$(PY) -m pytest -q
@@ -40,6 +43,15 @@ bench: setup
 	$(PY) bench/orchestration.py
 	$(PY) bench/async_vs_sync.py
 
+# Refresh the locks: resolve pyproject.toml (and the SGLang image's requirements) anew, newest
+# versions allowed by their ranges, with hashes. tests/unit/test_lock.py fails when they disagree.
+LOCK_TOOL := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/miles-flyte/pip-tools
+PIP_COMPILE := $(LOCK_TOOL)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --no-emit-index-url --no-emit-find-links
+lock:
+	test -x $(LOCK_TOOL)/bin/pip-compile || ($(PYTHON_BASE) -m venv $(LOCK_TOOL) && $(LOCK_TOOL)/bin/pip install --quiet pip-tools==7.6.2)
+	CUSTOM_COMPILE_COMMAND="make lock" $(PIP_COMPILE) --extra test --strip-extras -o requirements.lock pyproject.toml
+	CUSTOM_COMPILE_COMMAND="make lock" $(PIP_COMPILE) -o containers/sglang/requirements.lock containers/sglang/requirements.in
+
 # The Flyte cache remembers artifact paths under runs/: forget both together.
 clean:
 	rm -rf runs
@@ -49,7 +61,7 @@ clean:
 # on a cluster: its CUDA build of torch 2.14.1 stays there (~11 GB, ~6 minutes, once per machine),
 # and the project's .venv never imports sglang. The CPU stand-ins of containers/sglang are copied
 # into it (again whenever they change); a missing environment is rebuilt.
-SGLANG_VERSION := 0.5.23
+SGLANG_VERSION := $(shell sed -n 's/^sglang==//p' containers/sglang/requirements.in)
 SGLANG_ENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/miles-flyte/sglang-$(SGLANG_VERSION)
 SGLANG_PY := $(SGLANG_ENV)/bin/python
 SGLANG_STANDINS := $(wildcard containers/sglang/cpu_standins/*.py containers/sglang/cpu_standins/*/*.py)
@@ -57,9 +69,9 @@ export MILES_SGLANG_ENV := $(SGLANG_ENV)
 
 sglang-env: $(SGLANG_ENV)/.standins-installed
 
-$(SGLANG_ENV)/.sglang-installed:
+$(SGLANG_ENV)/.sglang-installed: containers/sglang/requirements.lock
 	test -x $(SGLANG_PY) || $(PYTHON_BASE) -m venv $(SGLANG_ENV)
-	$(SGLANG_PY) -m pip install --quiet sglang==$(SGLANG_VERSION)
+	$(SGLANG_PY) -m pip install --quiet --require-hashes --no-deps -r containers/sglang/requirements.lock
 	touch $@
 
 $(SGLANG_ENV)/.standins-installed: $(SGLANG_ENV)/.sglang-installed $(SGLANG_STANDINS)

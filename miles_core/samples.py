@@ -31,7 +31,12 @@ class Sample:
 
     @property
     def sample_id(self) -> str:
-        return f"{self.prompt_id}/{self.index}"
+        return sample_id_of(self.prompt_id, self.index)
+
+
+def sample_id_of(prompt_id: str, index: int) -> str:
+    """A sample's id: its group (the prompt's id) and its position in the group."""
+    return f"{prompt_id}/{index}"
 
 
 COLUMNS = [f.name for f in fields(Sample)]

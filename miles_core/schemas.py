@@ -3,24 +3,47 @@
 `RolloutBatchSchema` is what a rollout writes; `ScoredBatchSchema` adds a finite reward.
 `check_batch` runs the schema lazily (every failure at once) and raises `BatchError` naming the
 file, the rows (with their sample ids), the column and the check that failed.
+
+Beyond the columns' types: token ids are non-negative integers (below the vocabulary size when
+the caller gives it), a sample's id is "<prompt_id>/<index>", one group (one prompt_id) has one
+label, and with `group_size` a batch is whole groups: consecutive blocks of group_size samples
+of one prompt with indices 0..group_size-1, so no group is split across batches.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pandera.pandas as pa
+import pyarrow
 from pandera.errors import SchemaErrors
 from pandera.typing import Series
 
-from miles_core.samples import Sample, from_frame, to_frame
+from miles_core.samples import Sample, from_frame, sample_id_of, to_frame
 from miles_core.storage import atomic_file
+
+TOKEN_COLUMNS = ("prompt_tokens", "response_tokens")
 
 
 class BatchError(ValueError):
     """A rollout batch broke its schema; the message names file, rows, column and check."""
+
+
+def _integer_ids(tokens) -> np.ndarray | None:
+    """The token ids as an int64 array, or None when they are not a sequence of integers (floats, bools, strings)."""
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.int64) if tokens.ndim == 1 and tokens.dtype.kind in "iu" else None
+    if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
+        return None
+    return np.asarray(tokens, dtype=np.int64) if all(-(2**63) <= t < 2**63 for t in tokens) else None
+
+
+def _sized(values) -> bool:
+    return isinstance(values, (list, tuple, np.ndarray))
 
 
 class RolloutBatchSchema(pa.DataFrameModel):
@@ -37,23 +60,54 @@ class RolloutBatchSchema(pa.DataFrameModel):
     metadata: Series[str]
     reward: Series[float] = pa.Field(nullable=True)
 
-    @pa.check("prompt_tokens", "response_tokens", element_wise=True, name="non_empty")
+    @pa.check(*TOKEN_COLUMNS, element_wise=True, name="non_empty")
     def non_empty(cls, tokens) -> bool:
-        return len(tokens) > 0
+        return _sized(tokens) and len(tokens) > 0
+
+    @pa.check(*TOKEN_COLUMNS, element_wise=True, name="integer_ids")
+    def integer_ids(cls, tokens) -> bool:
+        return _integer_ids(tokens) is not None
+
+    @pa.check(*TOKEN_COLUMNS, element_wise=True, name="non_negative_ids")
+    def non_negative_ids(cls, tokens) -> bool:
+        ids = _integer_ids(tokens)
+        return ids is None or bool((ids >= 0).all())  # non-integers fail integer_ids already
 
     @pa.check("rollout_logprobs", element_wise=True, name="finite_logprobs")
     def finite_logprobs(cls, values) -> bool:
-        return all(math.isfinite(x) and x <= 1e-4 for x in values)
+        return _sized(values) and all(isinstance(x, (int, float, np.number)) and math.isfinite(x) and x <= 1e-4 for x in values)
 
     @pa.check("loss_mask", element_wise=True, name="binary_mask")
     def binary_mask(cls, values) -> bool:
-        return all(m in (0, 1) for m in values)
+        return _sized(values) and all(not isinstance(m, (float, np.floating)) and m in (0, 1) for m in values)
+
+    @pa.check("metadata", element_wise=True, name="json_object")
+    def json_object(cls, text) -> bool:
+        try:
+            return isinstance(json.loads(text), dict)
+        except (TypeError, ValueError, RecursionError):
+            return False
 
     @pa.dataframe_check(name="aligned_lengths")
     def aligned_lengths(cls, df: pd.DataFrame) -> Series[bool]:
         """response_tokens, rollout_logprobs and loss_mask have one entry per response token."""
-        n = df["response_tokens"].map(len)
-        return (n == df["rollout_logprobs"].map(len)) & (n == df["loss_mask"].map(len))
+        if not _has(df, "aligned_lengths"):
+            return _passes(df)
+        n = df["response_tokens"].map(_length)
+        return (n >= 0) & (n == df["rollout_logprobs"].map(_length)) & (n == df["loss_mask"].map(_length))
+
+    @pa.dataframe_check(name="sample_id_matches_group")
+    def sample_id_matches_group(cls, df: pd.DataFrame) -> Series[bool]:
+        if not _has(df, "sample_id_matches_group"):
+            return _passes(df)
+        expected = [sample_id_of(p, i) for p, i in zip(df["prompt_id"], df["index"])]
+        return df["sample_id"] == pd.Series(expected, index=df.index, dtype=object)
+
+    @pa.dataframe_check(name="one_label_per_group")
+    def one_label_per_group(cls, df: pd.DataFrame) -> Series[bool]:
+        if not _has(df, "one_label_per_group"):
+            return _passes(df)
+        return df.groupby("prompt_id", sort=False)["label"].transform("nunique") == 1
 
     class Config:
         strict = True
@@ -64,16 +118,44 @@ class ScoredBatchSchema(RolloutBatchSchema):
 
     @pa.check("reward", name="finite_reward")
     def finite_reward(cls, reward: Series[float]) -> Series[bool]:
-        return reward.map(math.isfinite)
+        return reward.map(lambda r: isinstance(r, (int, float, np.number)) and math.isfinite(r))
 
 
-def check_batch(frame: pd.DataFrame, source: str, scored: bool = False, reward_range: tuple[float, float] | None = None) -> pd.DataFrame:
-    """Validate a batch read from or written to `source`; raise BatchError naming what is wrong."""
+# The columns each row-wise check reads: named in its error, and a missing one is reported once, as missing.
+ROW_CHECK_COLUMNS = {
+    "aligned_lengths": ("response_tokens", "rollout_logprobs", "loss_mask"),
+    "sample_id_matches_group": ("sample_id", "prompt_id", "index"),
+    "one_label_per_group": ("prompt_id", "label"),
+}
+
+
+def _has(df: pd.DataFrame, check: str) -> bool:
+    return set(ROW_CHECK_COLUMNS[check]) <= set(df.columns)
+
+
+def _passes(df: pd.DataFrame) -> pd.Series:
+    return pd.Series(True, index=df.index)
+
+
+def _length(values) -> int:
+    return len(values) if _sized(values) else -1
+
+
+def check_batch(
+    frame: pd.DataFrame, source: str, scored: bool = False, reward_range: tuple[float, float] | None = None,
+    vocab_size: int | None = None, group_size: int | None = None,
+) -> pd.DataFrame:
+    """Validate a batch read from or written to `source`; raise BatchError naming what is wrong.
+
+    vocab_size: token ids must be below it (the tokenizer's len()); group_size: the batch must be whole groups."""
     schema = ScoredBatchSchema if scored else RolloutBatchSchema
     try:
         schema.validate(frame, lazy=True)
     except SchemaErrors as err:
         raise BatchError(f"batch {source}: {_describe(err, frame)}") from None
+    problems = [*_vocabulary_problems(frame, vocab_size), *_group_problems(frame, group_size)]
+    if problems:
+        raise BatchError(f"batch {source}: {'; '.join(problems[:4])}")
     if reward_range is not None:
         low, high = reward_range
         bad = frame.index[(frame["reward"] < low) | (frame["reward"] > high)]
@@ -86,26 +168,72 @@ def check_batch(frame: pd.DataFrame, source: str, scored: bool = False, reward_r
     return frame
 
 
+def _at(frame: pd.DataFrame, rows: list) -> str:
+    """'rows [..] (samples [..])', the first five of them, and how many in all."""
+    ids = [str(frame.at[i, "sample_id"]) for i in rows[:5] if "sample_id" in frame and i in frame.index]
+    more = f", {len(rows)} rows in all" if len(rows) > 5 else ""
+    return f"rows {rows[:5]} (samples {ids}{more})"
+
+
+def _vocabulary_problems(frame: pd.DataFrame, vocab_size: int | None) -> list[str]:
+    if vocab_size is None:
+        return []
+    problems = []
+    for column in TOKEN_COLUMNS:
+        rows = [i for i, tokens in frame[column].items() if _integer_ids(tokens).max() >= vocab_size]
+        if rows:
+            problems.append(f"column {column}: check 'ids_below_vocab_size({vocab_size})' failed at {_at(frame, rows)}")
+    return problems
+
+
+def _group_problems(frame: pd.DataFrame, group_size: int | None) -> list[str]:
+    """Rows of the blocks of group_size consecutive rows that are not one whole group (one prompt_id, indices 0..group_size-1)."""
+    if group_size is None:
+        return []
+    if group_size <= 0:
+        raise ValueError(f"group_size must be > 0, got {group_size}")
+    rows = []
+    for start in range(0, len(frame), group_size):
+        block = frame.iloc[start : start + group_size]
+        if len(block) < group_size or block["prompt_id"].nunique() != 1 or block["index"].tolist() != list(range(group_size)):
+            rows += block.index.tolist()
+    return [f"columns prompt_id, index: check 'whole_groups_of({group_size})' failed at {_at(frame, rows)}"] if rows else []
+
+
 def _describe(err: SchemaErrors, frame: pd.DataFrame) -> str:
     lines = []
     for check, group in err.failure_cases.groupby("check", dropna=False, sort=False):
         columns = group["column"].dropna().unique().tolist()
         rows = sorted({int(i) for i in group["index"].dropna()})
-        ids = [str(frame.at[i, "sample_id"]) for i in rows[:5] if "sample_id" in frame and i in frame.index]
-        what = f"column {columns[0]}" if len(columns) == 1 else "row"
-        where = f"rows {rows[:5]} (samples {ids})" if rows else f"{group['failure_case'].tolist()[:5]}"
-        lines.append(f"{what}: check {check!r} failed at {where}")
-    return "; ".join(lines)
+        if str(check) in ROW_CHECK_COLUMNS:
+            columns = list(ROW_CHECK_COLUMNS[str(check)])
+        what = f"column {columns[0]}" if len(columns) == 1 else f"columns {', '.join(columns)}" if columns else "row"
+        where = _at(frame, rows) if rows else f"{[str(c)[:60] for c in group['failure_case'].tolist()[:5]]}"
+        # for these pandera names the schema as the column: say what is missing or unexpected instead
+        what = {"column_in_dataframe": "missing columns", "column_in_schema": "unexpected columns"}.get(str(check), what)
+        lines.append(f"{what}: check {str(check)[:80]!r} failed at {where}")
+    more = f"; and {len(lines) - 3} more failed checks" if len(lines) > 3 else ""
+    return "; ".join(lines[:3]) + more
 
 
-def write_batch(samples: list[Sample], path: str | Path, scored: bool = False, reward_range: tuple[float, float] | None = None) -> Path:
-    """Check the batch, then write it as parquet atomically."""
-    frame = check_batch(to_frame(samples), str(path), scored, reward_range)
+def write_batch(
+    samples: list[Sample], path: str | Path, scored: bool = False, reward_range: tuple[float, float] | None = None,
+    vocab_size: int | None = None, group_size: int | None = None,
+) -> Path:
+    """Check the batch, then write it as parquet atomically (a refused batch leaves `path` as it was)."""
+    frame = check_batch(to_frame(samples), str(path), scored, reward_range, vocab_size, group_size)
     with atomic_file(path) as tmp:
         frame.to_parquet(tmp, index=False)
     return Path(path)
 
 
-def read_batch(path: str | Path, scored: bool = False, reward_range: tuple[float, float] | None = None) -> list[Sample]:
-    """Read a parquet batch and check it before anything uses it."""
-    return from_frame(check_batch(pd.read_parquet(path), str(path), scored, reward_range))
+def read_batch(
+    path: str | Path, scored: bool = False, reward_range: tuple[float, float] | None = None,
+    vocab_size: int | None = None, group_size: int | None = None,
+) -> list[Sample]:
+    """Read a parquet batch and check it before anything uses it; the file itself is never changed."""
+    try:
+        frame = pd.read_parquet(path)
+    except (pyarrow.ArrowException, OSError, ValueError) as err:  # what pyarrow raises for missing or unreadable files
+        raise BatchError(f"batch {path}: not a readable parquet file ({type(err).__name__}: {str(err)[:200]})") from None
+    return from_frame(check_batch(frame, str(path), scored, reward_range, vocab_size, group_size))

@@ -83,5 +83,15 @@ def reward_curve(uri: str, run_id: str, out_png: str) -> str:
     return out_png
 
 
+def learning_verdict(before: float, after: float, prompts: float) -> tuple[bool, str]:
+    """Did RL raise held-out accuracy? True only if `after` beats `before` by more than one prompt
+    of the held-out set (a single flipped answer is noise, not learning); with the message to print."""
+    gained = after - before
+    if gained * prompts > 1:
+        return True, f"RL raised held-out accuracy by {100 * gained:.1f} points"
+    return False, (f"WARNING: RL did not learn: held-out accuracy {before:.3f} -> {after:.3f} ({100 * gained:+.1f} points "
+                   f"on {prompts:.0f} prompts); the MLflow run is tagged learned=false")
+
+
 def end_run(uri: str, run_id: str) -> None:
     _client(uri).set_terminated(run_id)

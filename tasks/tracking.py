@@ -4,6 +4,7 @@ even when its stages are served from the cache."""
 from __future__ import annotations
 
 import base64
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking
 class Report:
     accuracy_before: float
     accuracy_after: float
+    learned: bool  # RL raised held-out accuracy (miles_core.tracking.learning_verdict)
     policy: Policy
     tracking: Tracking
 
@@ -58,8 +60,9 @@ def log_iteration(run: Tracking, iteration: int, rollout: dict[str, float], scor
 @task(cache=False, enable_deck=True, container_image=cpu_image)
 def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float], policy: Policy, root: str) -> Report:
     manifest = read_manifest(policy.dir.path)
+    learned, verdict = tracking.learning_verdict(before["eval/accuracy"], after["eval/accuracy"], after["eval/prompts"])
     tracking.set_tags(run.uri, run.run_id, {
-        "policy_version": policy.version, "policy_dir": policy.dir.path, "policy_sha256": manifest["weights_sha256"],
+        "policy_version": policy.version, "policy_dir": policy.dir.path, "policy_sha256": manifest["weights_sha256"], "learned": str(learned).lower(),
     })
     png = Path(root) / "reports" / f"{run.run_id}-reward_curve.png"
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -67,8 +70,11 @@ def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float],
     image = base64.b64encode(png.read_bytes()).decode()
     Deck("reward curve", f'<img src="data:image/png;base64,{image}"><p>MLflow run {run.run_id}</p>')
     tracking.end_run(run.uri, run.run_id)
-    report = Report(before["eval/accuracy"], after["eval/accuracy"], policy, run)
+    report = Report(before["eval/accuracy"], after["eval/accuracy"], learned, policy, run)
     print(f"held-out greedy accuracy: before RL {report.accuracy_before:.3f} -> after RL {report.accuracy_after:.3f}")
+    print(verdict, flush=True)
+    if not learned:
+        logging.getLogger("miles_flyte").warning(verdict)
     print(f"MLflow: run {run.run_id} ({run.uri}); `make ui` to browse; final policy v{policy.version}: {policy.dir.path}")
     return report
 

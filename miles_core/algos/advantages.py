@@ -21,6 +21,22 @@ Departures from the GRPO paper:
 * Only outcome rewards (one scalar per sample); the paper's process-supervision variant is
   not implemented. The per-token advantage is the sample's advantage on every response
   token, as in the paper.
+
+Groups of one sample (group_size 1), the same rule everywhere: a group baseline of one sample is
+the sample itself.
+* grpo and reinforce_plus_plus_baseline: reward minus its group mean is 0, so the sample's
+  outcome advantage is 0 (it teaches nothing; reinforce_plus_plus_baseline keeps its KL shaping).
+  verl instead takes mean 0 / std 1 for a group of one (the raw reward); we keep the definition.
+* rloo: the leave-one-out mean of no other sample is undefined: ValueError (and the config
+  refuses algo.advantage rloo with rollout.n_samples < 2 at load).
+* reinforce_plus_plus and ppo take no groups; group_size is not read.
+
+Masks: token-level estimators (discounted returns, GAE) run over the *valid* positions of each
+row only. A masked position inside a response (a hole: e.g. a tool's output in a multi-turn
+sample, which the policy did not generate) is skipped as verl's multi-turn GAE does: it is not
+a step (no discount, no reward, no value), the recursion passes through it unchanged, and its
+advantage and return are 0. So a row with holes gets exactly the values of the same row with
+the holes removed. Rows need not be right-padded.
 """
 
 from __future__ import annotations
@@ -29,27 +45,32 @@ import torch
 from torch import Tensor
 
 
+def _grouped(rewards: Tensor, group_size: int) -> Tensor:
+    """rewards [B] (floating) as [B/G, G]; entries [k*G, (k+1)*G) form group k."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.shape[0] % group_size != 0:
+        raise ValueError(
+            f"batch size {rewards.shape[0]} is not a multiple of group_size {group_size}: "
+            "each prompt must contribute exactly group_size samples"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    return rewards.reshape(-1, group_size)  # [B/G, G]
+
+
 def grpo_advantages(
     rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
     """Reward minus its group's mean, over (group std + eps) when `normalize_std`.
 
     rewards: [B], B a multiple of `group_size`; entries [k*G, (k+1)*G) form group k.
-    Returns [B] in the dtype of `rewards` (floating).
+    A group of one gets advantage 0 (its mean is its reward). Returns [B] (floating).
     """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    grouped = _grouped(rewards, group_size)  # [B/G, G]
     batch = rewards.shape[0]
-    if batch % group_size != 0:
-        raise ValueError(
-            f"batch size {batch} is not a multiple of group_size {group_size}: "
-            "each prompt must contribute exactly group_size samples"
-        )
-    if not rewards.is_floating_point():
-        rewards = rewards.float()
-    grouped = rewards.reshape(-1, group_size)  # [B/G, G]
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # [B/G, G]
     if normalize_std:
         if group_size > 1:
@@ -72,11 +93,12 @@ def broadcast_to_tokens(adv: Tensor, mask: Tensor) -> Tensor:
 def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """Leave-one-out baseline: r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_j r_j).
 
-    rewards: [B], consecutive groups of `group_size` >= 2. Returns [B].
+    rewards: [B], consecutive groups of `group_size` >= 2 (with one sample there is no other
+    sample to average: ValueError). Returns [B].
     """
     if group_size < 2:
-        raise ValueError(f"rloo needs group_size >= 2 (a leave-one-out baseline), got {group_size}")
-    grouped = rewards.float().reshape(-1, group_size)  # [B/G, G]
+        raise ValueError(f"rloo needs group_size >= 2 (the baseline is the mean of the other samples of the group), got {group_size}")
+    grouped = _grouped(rewards, group_size)  # [B/G, G]
     others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [B/G, G]
     return (grouped - others).reshape(-1)  # [B]
 
@@ -97,22 +119,25 @@ def token_rewards(rewards: Tensor, mask: Tensor, kl: Tensor | None = None, kl_co
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """G_t = sum_{s >= t} gamma^(s - t) r_s over each response's tokens: [B, T] -> [B, T]."""
+    """G_t = r_t + gamma G_t' at each valid position t, t' the next valid one (G = 0 after the last);
+    masked positions are skipped (no step, reward ignored) and get 0. [B, T] -> [B, T]."""
+    valid = mask > 0  # [B, T]
     returns = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
     for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * mask[:, t]
-        returns[:, t] = running
+        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, 0.0)
     return returns
 
 
 def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """(v - mean) / std over the masked entries of the whole batch (unbiased std); 0 off the mask."""
-    mask = mask.float()
-    count = mask.sum().clamp(min=1.0)
-    mean = (values * mask).sum() / count
-    var = (((values - mean) * mask) ** 2).sum() / (count - 1).clamp(min=1.0)
-    return (values - mean) * torch.rsqrt(var + eps) * mask
+    valid = mask > 0
+    values = torch.where(valid, values, 0.0)  # whatever sits off the mask (even NaN) stays out
+    count = valid.sum().clamp(min=1).to(values.dtype)
+    mean = values.sum() / count
+    var = torch.where(valid, values - mean, 0.0).pow(2).sum() / (count - 1).clamp(min=1.0)
+    return torch.where(valid, (values - mean) * torch.rsqrt(var + eps), 0.0)
 
 
 def reinforce_plus_plus_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
@@ -127,19 +152,20 @@ def reinforce_plus_plus_baseline_advantages(rewards: Tensor, group_size: int, ma
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over each response.
+    """Generalised advantage estimation over the valid positions of each row.
 
-    rewards (per token), values (critic, V(s_t) before token t), mask: [B, T], right-padded.
-    delta_t = r_t + gamma V(s_{t+1}) - V(s_t), with V = 0 after the last token;
-    A_t = delta_t + gamma lam A_{t+1}. Returns (advantages [B, T], returns = A + V [B, T]).
+    rewards (per token), values (critic, V(s_t) before token t), mask: [B, T]. With t' the next
+    valid position after t: delta_t = r_t + gamma V(s_t') - V(s_t), V = 0 after the last valid
+    position; A_t = delta_t + gamma lam A_t'. Masked positions are skipped (the recursion passes
+    through them) and get A = 0 and return 0. Returns (advantages [B, T], returns = A + V [B, T]).
     """
-    mask = mask.float()
+    valid = mask > 0  # [B, T]
     advantages = torch.zeros_like(rewards)
-    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
-    next_value = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)  # A at the next valid position
+    next_value = torch.zeros(rewards.shape[0], dtype=rewards.dtype)  # V at the next valid position
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lam * running) * mask[:, t]
-        advantages[:, t] = running
-        next_value = values[:, t] * mask[:, t]
-    return advantages, (advantages + values) * mask
+        running = torch.where(valid[:, t], delta + gamma * lam * running, running)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        advantages[:, t] = torch.where(valid[:, t], running, 0.0)
+    return advantages, torch.where(valid, advantages + values, 0.0)

@@ -4,13 +4,14 @@ The KL estimators follow Schulman's note "Approximating KL divergence" (2020): w
 sampled from pi and r = pi_ref / pi, k1 = -log r (unbiased, can be negative),
 k2 = (log r)^2 / 2 (biased, low variance), k3 = r - 1 - log r (unbiased, >= 0). GRPO
 (DeepSeekMath, Shao et al. 2024) uses k3. Departures:
-* "low_var_kl" is k3 clamped as in verl: log r is clamped to [-20, 20] before exp and the
-  result to [-10, 10], trading unbiasedness on extreme tokens for bounded gradients.
-  "k3" is accepted as another name for it.
+* "low_var_kl" is k3 clamped as in verl: log r is clamped to [-c, c] before exp
+  (c = algo.log_ratio_clamp, default 20 as verl) and the result to [-10, 10], trading
+  unbiasedness on extreme tokens for bounded gradients. "k3" is accepted as another name for it.
 * `old_logprobs` given (DeepSeek-V3.2, 2025) multiplies each token's estimate by the importance
   ratio pi / pi_old, correcting for tokens sampled from pi_old rather than pi. The ratio keeps
   its gradient: E_old[ratio * k] is then exactly KL(pi || pi_ref) in value and in gradient
-  (with the ratio detached the k3 gradient would be that of KL(pi_ref || pi) instead).
+  (with the ratio detached the k3 gradient would be that of KL(pi_ref || pi) instead). Its
+  log-ratio is clamped to [-c, c] too, so log-ratios of +-100 give finite values and gradients.
 * Applied per token as in GRPO. The note assumes samples from pi; rollout tokens come from
   the rollout policy, so after the first update on a batch the estimate is off-policy.
 * Log-probabilities and entropy are computed in at least float32 (bf16/fp16 logits are
@@ -19,27 +20,30 @@ k2 = (log r)^2 / 2 (biased, low variance), k3 = r - 1 - log r (unbiased, >= 0). 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from miles_core.algos.losses import clamped_exp
+from miles_core.config import LOG_RATIO_CLAMP
 
-def _k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+
+def _k1(logprobs: Tensor, ref_logprobs: Tensor, log_ratio_clamp: float) -> Tensor:
     return logprobs - ref_logprobs  # [B, T]
 
 
-def _k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+def _k2(logprobs: Tensor, ref_logprobs: Tensor, log_ratio_clamp: float) -> Tensor:
     return 0.5 * (logprobs - ref_logprobs) ** 2  # [B, T]
 
 
-def _low_var_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    log_ratio = torch.clamp(ref_logprobs - logprobs, min=-20.0, max=20.0)  # [B, T]
+def _low_var_kl(logprobs: Tensor, ref_logprobs: Tensor, log_ratio_clamp: float) -> Tensor:
+    log_ratio = torch.clamp(ref_logprobs - logprobs, min=-log_ratio_clamp, max=log_ratio_clamp)  # [B, T]
     k3 = torch.exp(log_ratio) - log_ratio - 1.0  # [B, T]
     return torch.clamp(k3, min=-10.0, max=10.0)
 
 
-_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+_ESTIMATORS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
     "k1": _k1,
     "k2": _k2,
     "low_var_kl": _low_var_kl,
@@ -47,21 +51,22 @@ _ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str, old_logprobs: Tensor | None = None) -> Tensor:
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str, old_logprobs: Tensor | None = None,
+               log_ratio_clamp: float = LOG_RATIO_CLAMP) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (or from pi_old).
 
     logprobs (pi), ref_logprobs (pi_ref): [B, T]. kind: "k1", "k2", "low_var_kl" ("k3").
     old_logprobs [B, T] given: the unbiased estimate, weighted by pi / pi_old (with gradient).
-    Returns [B, T].
+    Every log-ratio that is exponentiated is clamped to [-log_ratio_clamp, log_ratio_clamp]. Returns [B, T].
     """
     try:
         estimator = _ESTIMATORS[kind]
     except KeyError:
         known = ", ".join(sorted(_ESTIMATORS))
         raise ValueError(f"unknown KL estimator kind {kind!r}; known kinds: {known}") from None
-    kl = estimator(logprobs, ref_logprobs)  # [B, T]
+    kl = estimator(logprobs, ref_logprobs, log_ratio_clamp)  # [B, T]
     if old_logprobs is not None:
-        kl = kl * torch.exp(logprobs - old_logprobs)
+        kl = kl * clamped_exp(logprobs - old_logprobs, log_ratio_clamp)
     return kl
 
 

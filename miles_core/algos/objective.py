@@ -9,13 +9,18 @@ and optionally ref_logprobs, is_weights (policy) or old_values, returns (critic)
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from miles_core.algos import advantages as adv
 from miles_core.algos.corrections import importance_weights
 from miles_core.algos.kl import kl_penalty
-from miles_core.algos.losses import cispo_loss, gspo_loss, ppo_clip_loss, value_loss
+from miles_core.algos.losses import (
+    cispo_loss,
+    clamped_exp,
+    gspo_loss,
+    ppo_clip_loss,
+    value_loss,
+)
 from miles_core.config import AlgoConfig
 
 
@@ -26,6 +31,10 @@ def compute_advantages(algo: AlgoConfig, rewards: Tensor, mask: Tensor, group_si
     kl [B, T] per-token KL to the reference when algo.kl_in_reward, else None; values [B, T]
     the critic's when algo.advantage == "ppo", else None. Returns advantages [B, T] and the
     critic's regression targets [B, T] (None without a critic).
+    Groups of one: grpo and reinforce_plus_plus_baseline give outcome advantage 0, rloo raises
+    ValueError, reinforce_plus_plus and ppo read no groups. Token-level estimators (ppo,
+    reinforce_plus_plus*) skip masked positions inside a row (see advantages.py): pass the loss
+    mask to skip tool outputs, the response mask to treat them as steps.
     """
     shaped = algo.kl_coef if algo.kl_in_reward else 0.0
     if algo.advantage == "ppo":
@@ -46,16 +55,16 @@ def policy_loss(algo: AlgoConfig, logprobs: Tensor, entropy: Tensor, mask: Tenso
     """Plug-point `algo.loss_fn(algo, logprobs, entropy, mask, extras) -> (loss [b, T], metrics)`."""
     old, advantages = extras["old_logprobs"], extras["advantages"]
     if algo.policy_loss == "gspo":
-        loss, clipped = gspo_loss(logprobs, old, advantages, mask, algo.eps_clip_low, algo.eps_clip_high)
+        loss, clipped = gspo_loss(logprobs, old, advantages, mask, algo.eps_clip_low, algo.eps_clip_high, algo.log_ratio_clamp)
     elif algo.policy_loss == "cispo":
-        loss, clipped = cispo_loss(logprobs, old, advantages, algo.eps_clip_low, algo.eps_clip_high)
+        loss, clipped = cispo_loss(logprobs, old, advantages, algo.eps_clip_low, algo.eps_clip_high, algo.log_ratio_clamp)
     else:
-        loss, clipped = ppo_clip_loss(logprobs, old, advantages, algo.eps_clip_low, algo.eps_clip_high, algo.dual_clip)
+        loss, clipped = ppo_clip_loss(logprobs, old, advantages, algo.eps_clip_low, algo.eps_clip_high, algo.dual_clip, algo.log_ratio_clamp)
     if "is_weights" in extras:
         loss = loss * extras["is_weights"]
-    metrics = {"clip_fraction": clipped, "ratio": torch.exp(logprobs - old).detach()}
+    metrics = {"clip_fraction": clipped, "ratio": clamped_exp(logprobs - old, algo.log_ratio_clamp).detach()}
     if algo.kl_coef > 0 and not algo.kl_in_reward:
-        kl = kl_penalty(logprobs, extras["ref_logprobs"], algo.kl_type, old if algo.kl_unbiased else None)  # [b, T]
+        kl = kl_penalty(logprobs, extras["ref_logprobs"], algo.kl_type, old if algo.kl_unbiased else None, algo.log_ratio_clamp)  # [b, T]
         loss = loss + algo.kl_coef * kl
         metrics["kl"] = kl.detach()
     if algo.entropy_coef > 0:
@@ -74,7 +83,7 @@ def is_weights(algo: AlgoConfig, train_logprobs: Tensor, rollout_logprobs: Tenso
 
     Called only when algo.is_correction != "none"; weights multiply the per-token policy loss.
     """
-    return importance_weights(train_logprobs, rollout_logprobs, mask, algo.is_correction, algo.is_level, algo.is_lower, algo.is_upper)
+    return importance_weights(train_logprobs, rollout_logprobs, mask, algo.is_correction, algo.is_level, algo.is_lower, algo.is_upper, algo.log_ratio_clamp)
 
 
 def sft_loss(logprobs: Tensor, entropy: Tensor, mask: Tensor, extras: dict) -> tuple[Tensor, dict]:

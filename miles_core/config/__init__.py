@@ -7,7 +7,7 @@ a RunConfig is built; `load_recipe` also rejects unknown keys and wrong types, n
 path, before anything runs.
 """
 
-from miles_core.config.algo import ADVANTAGES, AGGREGATIONS, KL_TYPES, POLICY_LOSSES, AlgoConfig
+from miles_core.config.algo import ADVANTAGES, AGGREGATIONS, KL_TYPES, LOG_RATIO_CLAMP, POLICY_LOSSES, AlgoConfig
 from miles_core.config.async_phase import SCHEDULES, STALE_POLICIES, AsyncConfig
 from miles_core.config.base import ConfigError
 from miles_core.config.data import DataConfig, SFTConfig
@@ -19,7 +19,7 @@ from miles_core.config.run import RunConfig
 from miles_core.config.train import EvalConfig, HooksConfig, PublishConfig, TrackingConfig, TrainConfig
 
 __all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "ENGINES", "KL_TYPES", "MODEL_ARCHS", "PAUSE_MODES", "POLICY_LOSSES", "SCHEDULES",
+    "ADVANTAGES", "AGGREGATIONS", "ENGINES", "KL_TYPES", "LOG_RATIO_CLAMP", "MODEL_ARCHS", "PAUSE_MODES", "POLICY_LOSSES", "SCHEDULES",
     "STALE_POLICIES", "WEIGHT_SYNC_MODES", "AlgoConfig", "AsyncConfig", "ConfigError", "DataConfig", "EvalConfig",
     "HooksConfig", "ModelConfig", "MultiTurnConfig", "PublishConfig", "RewardConfig", "RolloutConfig", "RunConfig",
     "SFTConfig", "SGLangConfig", "TrackingConfig", "TrainConfig", "config_hash", "flatten", "load_recipe",

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from miles_core.config.base import check as _check
-
+from miles_core.config.base import check_finite
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOG_RATIO_CLAMP = 20.0  # verl's bound on a log-ratio before exp: exp(20) ~ 4.9e8 stays finite in float32
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class AlgoConfig:
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
     dual_clip: float = 0.0  # > 1 bounds negative-advantage tokens' loss at -c * A; 0 = off
+    log_ratio_clamp: float = LOG_RATIO_CLAMP  # every log-ratio (PPO/GSPO/CISPO ratios, KL, IS weights) is clamped to +-this before exp
     loss_aggregation: str = "token-mean"
     aggregation_horizon: int = 0  # seq-mean-token-sum-norm's constant; 0 = rollout.max_new_tokens
     kl_coef: float = 0.0
@@ -44,18 +47,34 @@ class AlgoConfig:
     sample_filter_fn: str = "miles_core.algos.filters:keep_all"  # plug-point: keep(sample) -> bool
 
     def __post_init__(self):
+        check_finite(self, "algo")
         _check(self.advantage in ADVANTAGES, "algo.advantage", f"unknown estimator {self.advantage!r} (available: {', '.join(ADVANTAGES)})")
         _check(self.policy_loss in POLICY_LOSSES, "algo.policy_loss", f"unknown loss {self.policy_loss!r} (available: {', '.join(POLICY_LOSSES)})")
         _check(self.loss_aggregation in AGGREGATIONS, "algo.loss_aggregation", f"unknown mode {self.loss_aggregation!r} (available: {', '.join(AGGREGATIONS)})")
-        _check(self.eps_clip_low > 0 and self.eps_clip_high > 0, "algo.eps_clip_low", "clip ranges must be > 0")
+        _check(0 < self.eps_clip_low < 1, "algo.eps_clip_low", f"must be in (0, 1) (the ratio's lower bound 1 - eps_clip_low is in (0, 1)), got {self.eps_clip_low}")
+        _check(self.eps_clip_high > 0, "algo.eps_clip_high", f"must be > 0, got {self.eps_clip_high}")
         _check(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", "must be 0 (off) or > 1")
         _check(self.aggregation_horizon >= 0, "algo.aggregation_horizon", "must be >= 0")
         _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+        _check(self.entropy_coef >= 0, "algo.entropy_coef", f"must be >= 0 (an entropy bonus), got {self.entropy_coef}")
         _check(self.kl_type in KL_TYPES, "algo.kl_type", f"unknown KL estimator {self.kl_type!r} (available: {', '.join(KL_TYPES)})")
-        _check(0 < self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "gamma must be in (0, 1] and lam in [0, 1]")
-        _check(self.value_clip > 0 and self.critic_lr > 0, "algo.value_clip", "value_clip and critic_lr must be > 0")
+        _check(0 < self.gamma <= 1, "algo.gamma", f"must be in (0, 1], got {self.gamma}")
+        _check(0 <= self.lam <= 1, "algo.lam", f"must be in [0, 1], got {self.lam}")
+        _check(self.value_clip > 0, "algo.value_clip", f"must be > 0, got {self.value_clip}")
+        _check(self.critic_lr > 0, "algo.critic_lr", f"must be > 0, got {self.critic_lr}")
         _check(self.critic_warmup_steps >= 0, "algo.critic_warmup_steps", "must be >= 0")
         _check(self.is_correction in ("none", "tis", "mis"), "algo.is_correction", f"unknown correction {self.is_correction!r} (available: none, tis, mis)")
         _check(self.is_level in ("token", "sequence"), "algo.is_level", f"must be token or sequence, got {self.is_level!r}")
         _check(0 <= self.is_lower < 1 < self.is_upper, "algo.is_upper", "need 0 <= is_lower < 1 < is_upper")
+        self._check_log_ratio_clamp()
 
+    def _check_log_ratio_clamp(self):
+        # the clamp must sit outside every bound applied to a ratio, or it would move that bound
+        c = self.log_ratio_clamp
+        _check(c > 0, "algo.log_ratio_clamp", f"must be > 0, got {c}")
+        bounds = {"1 + algo.eps_clip_high": 1 + self.eps_clip_high, "algo.is_upper": self.is_upper, "algo.dual_clip": self.dual_clip or 1.0}
+        for name, bound in bounds.items():
+            _check(math.log(bound) < c, "algo.log_ratio_clamp", f"must be > log({name}) = {math.log(bound):.4g}, or the clamp changes that bound")
+        lows = {"1 - algo.eps_clip_low": 1 - self.eps_clip_low, "algo.is_lower": self.is_lower}
+        for name, bound in lows.items():
+            _check(bound == 0 or math.log(bound) > -c, "algo.log_ratio_clamp", f"must be > -log({name}) = {-math.log(bound):.4g}, or the clamp changes that bound")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miles_core.config.base import check as _check
-
+from miles_core.config.base import check_finite
 
 SCHEDULES = ("sync", "async", "mixed")
 STALE_POLICIES = ("drop", "regenerate")
@@ -41,6 +41,7 @@ class AsyncConfig:
     max_restarts: int = 3  # Ray restarts of a dead rollout actor (its unfinished prompts are handed out again)
 
     def __post_init__(self):
+        check_finite(self, "async_phase")
         _check(self.schedule in SCHEDULES, "async_phase.schedule", f"unknown schedule {self.schedule!r} (available: {', '.join(SCHEDULES)})")
         _check(self.sync_iterations >= 0, "async_phase.sync_iterations", "must be >= 0")
         _check(self.schedule == "mixed" or self.sync_iterations == 0, "async_phase.sync_iterations", "only the mixed schedule has sync iterations")
@@ -50,7 +51,10 @@ class AsyncConfig:
         _check(self.max_staleness >= self.update_weights_interval - 1, "async_phase.max_staleness",
                f"must be >= update_weights_interval - 1 = {self.update_weights_interval - 1}, or the trainer waits for samples no actor can produce")
         _check(self.prompts_per_lease <= self.queue_size, "async_phase.prompts_per_lease", "must be <= async_phase.queue_size")
-        _check(self.worker_cpus >= 0 and self.trainer_cpus >= 0, "async_phase.worker_cpus", "CPU reservations must be >= 0")
-        _check(self.push_timeout_s > 0 and self.take_timeout_s > 0, "async_phase.push_timeout_s", "timeouts must be > 0")
+        _check(self.max_staleness >= 0, "async_phase.max_staleness", "must be >= 0")
+        for name in ("worker_cpus", "trainer_cpus"):
+            _check(getattr(self, name) >= 0, f"async_phase.{name}", f"must be >= 0 (Ray CPUs), got {getattr(self, name)}")
+        for name in ("push_timeout_s", "take_timeout_s"):
+            _check(getattr(self, name) > 0, f"async_phase.{name}", f"must be > 0 seconds, got {getattr(self, name)}")
         _check(self.max_restarts >= 0, "async_phase.max_restarts", "must be >= 0")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miles_core.config.base import check as _check
-
+from miles_core.config.base import check_finite
 
 MODEL_ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
@@ -26,6 +26,7 @@ class ModelConfig:
     moe_intermediate_size: int = 64  # qwen3_moe: each expert's FFN width
 
     def __post_init__(self):
+        check_finite(self, "model")
         _check(self.arch in MODEL_ARCHS, "model.arch", f"must be one of {', '.join(MODEL_ARCHS)}, got {self.arch!r}")
         _check(self.num_experts >= 2 and self.moe_intermediate_size > 0, "model.num_experts", "need num_experts >= 2 and moe_intermediate_size > 0")
         _check(1 <= self.moe_top_k <= self.num_experts, "model.moe_top_k", f"must be in [1, num_experts={self.num_experts}]")
@@ -33,4 +34,5 @@ class ModelConfig:
             _check(getattr(self, name) > 0, f"model.{name}", "must be > 0")
         _check(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by num_heads")
         _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", "must divide num_heads")
+        _check(self.seed >= 0, "model.seed", "must be >= 0")
 

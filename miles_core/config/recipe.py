@@ -1,6 +1,6 @@
 """Recipes: YAML files of overrides read into a RunConfig, checked key by key; hashing and flattening.
 
-`python -m miles_core.config RECIPE [key=value ...]` prints the resolved config as JSON (what
+`python -m miles_core.config RECIPE [key=value ...]` (`seed=N`: every section's seed) prints the resolved config as JSON (what
 `pyflyte run ... --cfg` takes) or the error and exits 2.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 import typing
 from pathlib import Path
@@ -65,12 +66,17 @@ def _coerce(kind, value, key_path: str):
     }[kind]
     if not ok:
         raise ConfigError(f"{key_path}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    if kind is float and not math.isfinite(value):  # YAML's .nan / .inf: no range check would read them as meant
+        raise ConfigError(f"{key_path}: must be a finite number, got {value}")
     return kind(value)
 
 
 def _read_values(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """A recipe's values; `extends: other.yaml` (relative to the recipe) is read first and overridden."""
-    values = yaml.safe_load(path.read_text()) or {}
+    """A recipe's values; `extends: other.yaml` (relative to the recipe) is read first and overridden.
+    An empty file (or one of comments only, or `{}`) is refused: it would silently run the defaults."""
+    values = yaml.safe_load(path.read_text())
+    if values is None or values == {}:
+        raise ConfigError(f"{path.name} is empty: write the keys it overrides (at least `name:`), or `extends: other.yaml`")
     if not isinstance(values, dict) or "extends" not in values:
         return values
     base = (path.parent / str(values.pop("extends"))).resolve()
@@ -94,7 +100,7 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RunConfig:
     path = Path(path)
     try:
         values = _read_values(path.resolve())
-        for key, value in (overrides or {}).items():
+        for key, value in _expand_seed(overrides or {}).items():
             _set_dotted(values, key, value)
         cfg = _build(RunConfig, values, "")
     except FileNotFoundError:
@@ -104,6 +110,18 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RunConfig:
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     return dataclasses.replace(cfg, run_root=str(Path(cfg.run_root).resolve()))
+
+
+SEEDED_SECTIONS = ("model", "data", "sft", "rollout", "train")
+
+
+def _expand_seed(overrides: dict) -> dict:
+    """The override `seed=N` sets the seed of every seeded section (model, data, sft, rollout, train),
+    before any section's own `<section>.seed`."""
+    if "seed" not in overrides:
+        return overrides
+    rest = {k: v for k, v in overrides.items() if k != "seed"}
+    return {f"{section}.seed": overrides["seed"] for section in SEEDED_SECTIONS} | rest
 
 
 def _set_dotted(values: dict, dotted: str, value) -> None:

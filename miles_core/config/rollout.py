@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles_core.config.base import check as _check
-
+from miles_core.config.base import check_finite
 
 WEIGHT_SYNC_MODES = ("disk", "distributed")
 PAUSE_MODES = ("abort", "retract", "in_place")
+SGLANG_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,11 @@ class SGLangConfig:
     sleep_on_idle: bool = True  # an idle scheduler otherwise polls at ~0.7 of a core (measured here), taking it from the trainer
 
     def __post_init__(self):
+        check_finite(self, "rollout.sglang")
         _check(self.num_servers >= 1, "rollout.sglang.num_servers", "must be >= 1")
         _check(self.device in ("cpu", "cuda"), "rollout.sglang.device", f"must be cpu or cuda, got {self.device!r}")
         _check(self.max_total_tokens > 0, "rollout.sglang.max_total_tokens", "must be > 0")
+        _check(self.dtype in SGLANG_DTYPES, "rollout.sglang.dtype", f"must be one of {', '.join(SGLANG_DTYPES)} (SGLang's --dtype), got {self.dtype!r}")
         for name in ("startup_timeout_s", "request_timeout_s", "bucket_mb"):
             _check(getattr(self, name) > 0, f"rollout.sglang.{name}", "must be > 0")
         _check(self.max_concurrency >= 1 and self.max_batch_sequences >= 1, "rollout.sglang.max_concurrency", "max_concurrency and max_batch_sequences must be >= 1")
@@ -98,6 +101,7 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tools and turn limits of multi-turn generate
 
     def __post_init__(self):
+        check_finite(self, "rollout")
         _check(self.engine in ENGINES, "rollout.engine", f"unknown engine {self.engine!r} (available: {', '.join(ENGINES)})")
         _check(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be > 0")
         _check(self.n_samples > 0, "rollout.n_samples", "must be > 0")
@@ -107,4 +111,5 @@ class RolloutConfig:
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
         _check(self.over_sample >= 1.0, "rollout.over_sample", "must be >= 1")
         _check(self.max_rounds >= 1, "rollout.max_rounds", "must be >= 1")
+        _check(self.seed >= 0, "rollout.seed", "must be >= 0")
 

@@ -1,12 +1,17 @@
-"""The rules that relate two config sections, in one table, checked whenever a RunConfig is built.
+"""The rules that relate config keys of different meaning, in one table, checked whenever a RunConfig is built.
 
 Each rule is (key path it reports, when it applies, what must hold, why). A section's own value
-checks live in its dataclass; only rules that need two sections are here.
+checks (ranges, finiteness, one key against its neighbour's bound) live in its dataclass; here are
+the rules that need two sections, or two settings whose combination is wrong although each is
+right: rollout log-probs with IS corrections, over-sampling without dynamic sampling, a backend
+with a precision or parallel size it does not read, parallel sizes with the model's shape,
+async phases with what they do not run.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from miles_core.config.base import ConfigError
 
@@ -22,9 +27,44 @@ def _async(c) -> bool:
     return c.async_phase.schedule != "sync"
 
 
+def _megatron(c) -> bool:
+    return c.train.backend == "megatron"
+
+
+def _divides(size_key: str, model_key: str):
+    """A rule: train.<size_key> divides model.<model_key> (megatron splits that dimension over the ranks)."""
+    return Rule(f"train.{size_key}", lambda c: _megatron(c) and getattr(c.train, size_key) > 1,
+                lambda c: getattr(c.model, model_key) % getattr(c.train, size_key) == 0,
+                lambda c: f"must divide model.{model_key} ({getattr(c.model, model_key)}): megatron splits it over {getattr(c.train, size_key)} ranks")
+
+
+def _torch_ignores(key: str, default):
+    """A rule: the torch backend does not read train.<key>, so a value other than the default is refused, not ignored."""
+    return Rule(f"train.{key}", lambda c: c.train.backend == "torch", lambda c: getattr(c.train, key) == default,
+                lambda c: f"{getattr(c.train, key)!r} is read by the megatron backend only (train.backend: torch trains in float32 on one process): "
+                          f"use {default!r} or train.backend: megatron")
+
+
 RULES: tuple[Rule, ...] = (
     Rule("algo.advantage", lambda c: c.algo.advantage == "rloo", lambda c: c.rollout.n_samples >= 2,
          lambda c: "rloo needs rollout.n_samples >= 2"),
+    Rule("algo.use_rollout_logprobs", lambda c: c.algo.use_rollout_logprobs, lambda c: c.algo.is_correction == "none",
+         lambda c: f"with algo.is_correction: {c.algo.is_correction} the train/inference mismatch would be corrected twice (the ratio to the "
+                   "rollout's log-probs already is the importance weight): set use_rollout_logprobs: false, or is_correction: none"),
+    Rule("rollout.over_sample", lambda c: c.rollout.over_sample > 1, lambda c: c.rollout.dynamic_sampling,
+         lambda c: "over-sampling feeds dynamic sampling's filter (rollout.dynamic_sampling: true); without it the extra groups only wait, unfiltered "
+                   "and growing stale, in the buffer: set over_sample: 1 or dynamic_sampling: true"),
+    _torch_ignores("megatron_dtype", "float32"),
+    _torch_ignores("tensor_parallel", 1),
+    _torch_ignores("pipeline_parallel", 1),
+    _torch_ignores("expert_parallel", 1),
+    _divides("tensor_parallel", "num_heads"),
+    _divides("tensor_parallel", "num_kv_heads"),
+    _divides("tensor_parallel", "intermediate_size"),
+    _divides("pipeline_parallel", "num_layers"),
+    Rule("train.expert_parallel", lambda c: c.train.expert_parallel > 1, lambda c: c.model.arch == "qwen3_moe",
+         lambda c: f"expert parallelism splits MoE experts, and model.arch {c.model.arch!r} has none: use 1 or arch qwen3_moe"),
+    _divides("expert_parallel", "num_experts"),
     Rule("async_phase.queue_size", _async, lambda c: c.async_phase.queue_size >= c.rollout.prompts_per_step,
          lambda c: f"must be >= rollout.prompts_per_step ({c.rollout.prompts_per_step}): the trainer takes that many groups per step"),
     Rule("async_phase.schedule", _async, lambda c: c.algo.advantage != "ppo",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from miles_core.config.algo import AlgoConfig
 from miles_core.config.async_phase import AsyncConfig
 from miles_core.config.base import check as _check
+from miles_core.config.base import check_finite
 from miles_core.config.data import DataConfig, SFTConfig
 from miles_core.config.model import ModelConfig
 from miles_core.config.reward import RewardConfig
@@ -36,4 +37,5 @@ class RunConfig:
     def __post_init__(self):
         _check(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")
         _check(self.iterations >= 1, "iterations", "must be >= 1")
+        check_finite(self, "")  # every section, also those whose own checks do not call it
         check_rules(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miles_core.config.base import check as _check
+from miles_core.config.base import check_finite
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class TrainConfig:
     gpus_per_node: int = 0  # GPUs requested by the distributed train task's pods (0 = CPU)
 
     def __post_init__(self):
+        check_finite(self, "train")
         _check(self.backend in ("torch", "megatron"), "train.backend", f"unknown backend {self.backend!r} (available: torch, megatron)")
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "nproc_per_node"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
@@ -38,6 +40,10 @@ class TrainConfig:
         _check(self.megatron_dtype in ("float32", "bfloat16"), "train.megatron_dtype", f"must be float32 or bfloat16, got {self.megatron_dtype!r}")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(self.grad_clip > 0, "train.grad_clip", "must be > 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            _check(0 <= getattr(self, name) < 1, f"train.{name}", f"must be in [0, 1) (an Adam moment decay), got {getattr(self, name)}")
+        _check(self.seed >= 0, "train.seed", "must be >= 0")
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _check(self.mini_batches > 0, "train.mini_batches", "must be > 0")
         _check(self.micro_batch_size > 0, "train.micro_batch_size", "must be > 0")
@@ -51,7 +57,8 @@ class EvalConfig:
     fn: str = "miles_core.step:evaluate"  # plug-point: fn(engine, prompts, tokenizer, fns)
 
     def __post_init__(self):
-        _check(self.interval > 0, "evaluation.interval", "must be > 0")
+        for name in ("interval", "max_new_tokens", "batch_size"):
+            _check(getattr(self, name) > 0, f"evaluation.{name}", "must be > 0")
 
 
 @dataclass(frozen=True)

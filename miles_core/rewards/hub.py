@@ -4,14 +4,17 @@ Every function has the `RewardFn` signature `(response, label, metadata) -> floa
 response's *final turn*: in a multi-turn response (rollout/multi_turn.py) the text after the last
 `assistant` turn, so a number inside a tool call or a tool's output is never taken for the answer.
 
-* `math_answer`: math-verify (`math_verify.parse` + `verify`) of the final turn against the label:
-  LaTeX, boxed answers, fractions, decimals, sets and equations are compared symbolically.
+* `math_answer`: the final turn judged as mathematics against the label (rewards/math.py `verified`:
+  math-verify in a worker process with a deadline; the gold's whole answer against the final answer).
 * `boxed_math`: the same, but only the last `\\boxed{...}` counts; no box scores 0.
 * `integer`: the first integer of the final turn equals the integer label (rewards/math.py).
 * `exact_match` / `f1`: SQuAD-style normalised string equality / token-level F1 for short answers.
 * `format_boxed`: 1 when the final turn holds exactly one `\\boxed{...}`; `format_regex`: 1 when
-  it fully matches `metadata["format_pattern"]`.
-* `remote`: a reward model over HTTP (rewards/remote.py) at reward.remote_url.
+  it fully matches `metadata["format_pattern"]`, matched by the `regex` engine with a time limit
+  (reward.regex_timeout_s) and a pattern-length cap, so a backtracking pattern cannot stall scoring.
+* `remote`: a reward model over HTTP (rewards/remote.py) at reward.remote_url, or at the endpoint
+  of reward.remote_endpoints that `metadata["reward_endpoint"]` names: a prompt picks among the
+  recipe's endpoints by name and never supplies an address.
 * `by_metadata`: picks one of the above by `metadata["reward_type"]` (default reward.default_type).
 
 A failure (unknown type, remote model down) raises; `loop.score` records it and scores
@@ -21,15 +24,13 @@ reward.fallback.
 from __future__ import annotations
 
 import collections
-import re
 import string
-import threading
 
-from math_verify import parse, verify
+import regex  # time-limited matching (a dependency of transformers)
 
 from miles_core.config import RewardConfig
-from miles_core.rewards.math import integer_answer
-from miles_core.rewards.remote import remote_reward
+from miles_core.rewards.math import integer_answer, last_boxed, verified
+from miles_core.rewards.remote import RemotePolicy, remote_reward
 
 _LAST_ASSISTANT = "\nassistant\n"  # how a tool turn ends, once special tokens are stripped
 
@@ -39,39 +40,13 @@ def final_turn(response: str) -> str:
     return response.rsplit(_LAST_ASSISTANT, 1)[-1]
 
 
-def extract_boxed(text: str) -> str | None:
-    r"""The content of the last \boxed{...} (braces balanced), else None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin - 1, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[begin:i]
-    return None
-
-
-def _timeouts() -> dict:
-    # math-verify's timeouts use SIGALRM, which only the main thread may set
-    on_main = threading.current_thread() is threading.main_thread()
-    return {} if on_main else {"parsing_timeout": None}
-
-
-def _verified(gold: str, answer: str) -> float:
-    kwargs = _timeouts()
-    target = parse(answer, **kwargs)
-    expected = parse(gold if "$" in gold or "\\" in gold else f"${gold}$", **kwargs)
-    return float(bool(target) and verify(expected, target, **({} if not kwargs else {"timeout_seconds": None})))
-
-
 def math_answer(response: str, label: str, metadata: dict) -> float:
-    return _verified(str(label), final_turn(response))
+    return verified(str(label), final_turn(response))
 
 
 def boxed_math(response: str, label: str, metadata: dict) -> float:
-    boxed = extract_boxed(final_turn(response))
-    return 0.0 if boxed is None else _verified(str(label), f"\\boxed{{{boxed}}}")
+    boxed = last_boxed(final_turn(response))
+    return 0.0 if boxed is None else verified(str(label), f"\\boxed{{{boxed}}}")
 
 
 def integer(response: str, label: str, metadata: dict) -> float:
@@ -100,22 +75,53 @@ def f1(response: str, label: str, metadata: dict) -> float:
 
 
 def format_boxed(response: str, label: str, metadata: dict) -> float:
-    return float(final_turn(response).count("\\boxed{") == 1 and extract_boxed(final_turn(response)) is not None)
+    return float(final_turn(response).count("\\boxed{") == 1 and last_boxed(final_turn(response)) is not None)
 
 
-def format_regex(response: str, label: str, metadata: dict) -> float:
+def format_regex(response: str, label: str, metadata: dict, reward_cfg: RewardConfig | None = None) -> float:
+    cfg = reward_cfg or RewardConfig()
     pattern = metadata.get("format_pattern")
     if not isinstance(pattern, str):
-        raise ValueError("format_regex needs metadata['format_pattern'] (a regular expression)")
-    return float(re.fullmatch(pattern, final_turn(response).strip(), re.DOTALL) is not None)
+        raise TypeError("format_regex needs metadata['format_pattern'] (a regular expression)")
+    if len(pattern) > cfg.regex_max_pattern_chars:
+        raise ValueError(f"metadata['format_pattern'] has {len(pattern)} characters, over reward.regex_max_pattern_chars={cfg.regex_max_pattern_chars}")
+    try:
+        matched = regex.fullmatch(pattern, final_turn(response).strip(), regex.DOTALL, timeout=cfg.regex_timeout_s)
+    except regex.error as err:
+        raise ValueError(f"metadata['format_pattern'] {pattern[:80]!r} is not a regular expression: {err}") from None
+    except TimeoutError:
+        raise ValueError(f"metadata['format_pattern'] {pattern[:80]!r} took over reward.regex_timeout_s={cfg.regex_timeout_s}s to match") from None
+    return float(matched is not None)
+
+
+def remote_policy(cfg: RewardConfig) -> RemotePolicy:
+    """The remote client's limits, from the reward section."""
+    return RemotePolicy(
+        timeout_s=cfg.remote_timeout_s, retries=cfg.remote_retries, backoff_s=cfg.remote_backoff_s, max_response_bytes=cfg.remote_max_response_bytes,
+        concurrency=cfg.remote_concurrency, max_consecutive_failures=cfg.remote_max_consecutive_failures, breaker_reset_s=cfg.remote_breaker_reset_s,
+        reward_range=(cfg.min, cfg.max), out_of_range=cfg.remote_out_of_range,
+    )
+
+
+def remote_url_for(metadata: dict, cfg: RewardConfig) -> str:
+    """The recipe's endpoint for this prompt: reward.remote_url, or the reward.remote_endpoints entry
+    metadata["reward_endpoint"] names. A prompt never supplies an address (not even in "reward_url")."""
+    if "reward_url" in metadata:
+        raise ValueError("metadata['reward_url'] is not accepted: a prompt may name one of reward.remote_endpoints in metadata['reward_endpoint']")
+    name = metadata.get("reward_endpoint")
+    if name is None:
+        if not cfg.remote_url:
+            raise ValueError("remote reward: set reward.remote_url (or reward.remote_endpoints and metadata['reward_endpoint'])")
+        return cfg.remote_url
+    endpoints = cfg.endpoints()
+    if not isinstance(name, str) or name not in endpoints:
+        raise ValueError(f"metadata['reward_endpoint'] {str(name)[:80]!r} is not one of reward.remote_endpoints ({', '.join(endpoints) or 'none declared'})")
+    return endpoints[name]
 
 
 def remote(response: str, label: str, metadata: dict, reward_cfg: RewardConfig | None = None) -> float:
     cfg = reward_cfg or RewardConfig()
-    url = metadata.get("reward_url") or cfg.remote_url
-    if not url:
-        raise ValueError("remote reward: set reward.remote_url (or metadata['reward_url'])")
-    return remote_reward(url, final_turn(response), label, metadata, cfg.remote_timeout_s, cfg.remote_retries)
+    return remote_reward(remote_url_for(metadata, cfg), final_turn(response), label, metadata, remote_policy(cfg))
 
 
 REWARDS = {
@@ -131,4 +137,4 @@ def by_metadata(response: str, label: str, metadata: dict, reward_cfg: RewardCon
     if kind not in REWARDS:
         raise ValueError(f"metadata['reward_type'] {kind!r} is not a reward type (available: {', '.join(REWARDS)})")
     fn = REWARDS[kind]
-    return fn(response, label, metadata, reward_cfg=cfg) if fn is remote else fn(response, label, metadata)
+    return fn(response, label, metadata, reward_cfg=cfg) if fn in (remote, format_regex) else fn(response, label, metadata)

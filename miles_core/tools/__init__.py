@@ -11,7 +11,7 @@ for anything the model wrote; a failure is reported in the output, as a model wo
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from miles_core.tools.calculator import CalculatorError, calculate
 from miles_core.tools.sandbox import SandboxLimits, run_python

@@ -1,36 +1,44 @@
 """Runs model-written Python in a contained, short-lived process.
 
-Containment, layer by layer (each one tested by tests/unit/test_sandbox.py's hostile corpus):
+Containment, layer by layer (docs/security.md has the threat model; tests/hostile/ the corpus):
 
-* **bubblewrap** (`bwrap`, Debian package `bubblewrap`; `make setup` installs it) builds a new
-  mount namespace whose root holds only a read-only `/usr` (the system Python and its standard
-  library), `/proc`, a minimal `/dev` and a size-limited tmpfs scratch directory as the working
-  directory. Nothing else of the host exists inside: not `/etc`, not `/root`, not the repository,
-  not the project's virtual environment. The root is remounted read-only, so the scratch
-  directory is the only writable place, and it vanishes with the sandbox.
-* new **network** namespace (only its own loopback: no network, not even the host's 127.0.0.1), new **pid**,
-  ipc and uts namespaces. When the sandbox's init dies the kernel kills every process left in
-  its pid namespace, including daemons that called setsid() to leave the process group.
-* the code runs as the unprivileged user `nobody` (uid 65534) with no capabilities and
-  no_new_privs (`setpriv`), so it cannot signal the host's processes, read root-only files or
-  regain privileges.
-* **rlimits** (set by `prlimit` before bwrap starts, inherited by everything it forks):
-  RLIMIT_CPU (CPU seconds per process), RLIMIT_AS (address space), RLIMIT_NPROC (processes of the sandbox user: a fork bomb
-  stops there), RLIMIT_FSIZE (largest file), RLIMIT_NOFILE, RLIMIT_CORE = 0.
+* a **launcher** (a few lines of the system Python, exec'd, not a preexec_fn, which is unsafe in
+  a process with threads) puts itself in this run's **cgroup** (tools/cgroup.py: the whole
+  sandbox's memory, tmpfs, shm and memfd included, and its process count), sets the **rlimits**
+  every process inherits (RLIMIT_CPU seconds per process, RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE,
+  RLIMIT_NOFILE, RLIMIT_CORE = 0), switches (when run as root) to a **uid of its own** taken from a
+  pool of slots held by file locks, so RLIMIT_NPROC counts this sandbox's processes only and no
+  two concurrent sandboxes can signal each other, sets no_new_privs, joins a **new anonymous
+  session keyring** and execs bubblewrap.
+* **bubblewrap** (`bwrap` >= 0.8, Debian package `bubblewrap`) unshares the user (uid 65534
+  inside, **nested user namespaces disabled**), pid, network (only its own loopback), ipc (SysV
+  objects die with the run), uts and cgroup namespaces; the root holds a read-only `/usr` (the
+  system Python and its standard library), `/proc` of the sandbox's own pid namespace with the
+  host's kernel command line, keys, symbols and timers masked by empty files, a read-only `/dev`
+  with a small `/dev/shm`, the code (copied in through a file descriptor: no host path shows in
+  the mount table) and a size-limited scratch tmpfs as the working directory. Nothing else of
+  the host exists inside. When the sandbox's init dies the kernel kills every process left in
+  its pid namespace, daemons included.
+* a **seccomp** filter (tools/seccomp.py) denies keyrings, memfd and SysV shm, namespaces, mounts,
+  ptrace, bpf, perf and io_uring.
 * the host side holds a **wall-clock** deadline and an **output** cap (stdout + stderr); past
   either, the whole process group is SIGKILLed (`--die-with-parent` then takes down the
-  namespace). The sandbox is cleaned up on every path, including exceptions in the caller.
+  namespace), and the cgroup's remaining members are killed. Cleanup runs on every path.
 
-The sandbox needs root (to switch to `nobody`) or, without root, unprivileged user namespaces
-(then the code runs as the invoking user mapped to `nobody`, and RLIMIT_NPROC counts the invoking
-user's processes, so it is raised by their current count; this path is not exercised by the
-tests, which run as root here). A missing `bwrap` or Python fails with
-`SandboxUnavailable` naming what to install.
+Needs: bwrap with unprivileged user namespaces (run_python raises `SandboxUnavailable` naming what
+is missing). Without a writable memory cgroup the total memory is capped by RLIMIT_AS per process
+plus the seccomp filter (no memfd, no SysV shm) and the tmpfs sizes; without root or a pids
+cgroup, RLIMIT_NPROC counts all processes of the invoking user.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import math
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -38,6 +46,9 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+
+from miles_core.tools import cgroup, seccomp
+from miles_core.tools.cgroup import SandboxCgroup
 
 NOBODY = 65534
 # Outcomes of a run, from the most to the least specific.
@@ -52,8 +63,8 @@ class SandboxUnavailable(RuntimeError):
 class SandboxLimits:
     wall_s: float = 5.0  # wall-clock seconds before the whole sandbox is killed
     cpu_s: int = 3  # CPU seconds per process (RLIMIT_CPU)
-    memory_mb: int = 256  # address space per process (RLIMIT_AS)
-    max_processes: int = 16  # processes of the sandbox user (RLIMIT_NPROC)
+    memory_mb: int = 256  # address space per process (RLIMIT_AS); the whole sandbox's memory cgroup holds this + scratch_mb + 1 MiB of /dev/shm
+    max_processes: int = 16  # processes of this sandbox, its interpreter included (pids cgroup and RLIMIT_NPROC of its own uid)
     max_file_mb: int = 4  # largest file the code may write (RLIMIT_FSIZE)
     scratch_mb: int = 16  # size of the scratch tmpfs
     max_open_files: int = 64  # RLIMIT_NOFILE
@@ -62,8 +73,9 @@ class SandboxLimits:
 
     def __post_init__(self):
         for name in ("wall_s", "cpu_s", "memory_mb", "max_processes", "max_file_mb", "scratch_mb", "max_open_files", "max_output_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"SandboxLimits.{name} must be a finite number > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -90,29 +102,94 @@ class SandboxResult:
         return "\n".join(x for x in (self.stdout.rstrip(), last, f"[{self.status}] {reason}".rstrip()) if x)
 
 
-def _command(limits: SandboxLimits, code_file: str) -> list[str]:
+# Runs as `python3 -I -S -c _LAUNCHER SPEC BWRAP ARGS...`: the steps that must happen in the
+# sandbox's first process, before bwrap, in an order that keeps each one possible. It stays as the
+# child subreaper of everything below it: bwrap's monitor exits without reaping its pid-1 init,
+# which would otherwise linger as a zombie of the host's init, counted against the uid's processes.
+# SIGTERM (the host's deadline) kills bwrap, whose namespace dies with it; the launcher reaps all.
+_LAUNCHER = """import ctypes, json, os, resource, signal, sys
+spec = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+def check(ok, what):
+    if not ok:
+        sys.exit(f"sandbox launcher: cannot {what}: {os.strerror(ctypes.get_errno())}")
+for path in spec["cgroup_procs"]:  # before dropping root: only the owner may move a process
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+for name, value in spec["rlimits"].items():
+    resource.setrlimit(getattr(resource, name), (value, value))
+if spec["uid"] is not None:
+    os.setgroups([])
+    os.setresgid(spec["uid"], spec["uid"], spec["uid"])
+    os.setresuid(spec["uid"], spec["uid"], spec["uid"])
+check(libc.prctl(38, 1, 0, 0, 0) == 0, "set no_new_privs")  # PR_SET_NO_NEW_PRIVS
+check(libc.syscall(spec["keyctl"], 1, None) >= 0, "join a new session keyring")  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
+check(libc.prctl(36, 1, 0, 0, 0) == 0, "become a child subreaper")  # PR_SET_CHILD_SUBREAPER
+bwrap = os.fork()
+if bwrap == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+signal.signal(signal.SIGTERM, lambda *_: os.kill(bwrap, signal.SIGKILL))
+code = 1
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    if pid == bwrap:
+        code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+UID_BASE, UID_SLOTS = 0x5A000000, 4096  # one uid per concurrent sandbox, far above any real user
+SHM_BYTES = 1 << 20  # /dev/shm (POSIX semaphores of multiprocessing need a few bytes)
+BWRAP_PROCESSES = 3  # the launcher, bwrap's monitor and its pid-1 init, besides the code's processes
+# host information in /proc that a pid namespace does not hide: kernel command line, config and
+# symbols, keys of every keyring the caller may view, loaded modules, scheduler and timer state
+MASKED_PROC = ("cmdline", "config.gz", "kallsyms", "keys", "key-users", "modules", "sched_debug", "timer_list", "kmsg", "iomem", "ioports")
+
+
+@contextlib.contextmanager
+def _own_uid():
+    """A uid no other running sandbox holds (a file lock per slot), or None when not root."""
+    if os.geteuid() != 0:
+        yield None
+        return
+    slots = os.path.join(tempfile.gettempdir(), "miles-sandbox-uids")
+    os.makedirs(slots, mode=0o700, exist_ok=True)
+    first = secrets.randbelow(UID_SLOTS)  # spreads reuse: a slot's previous processes have long died
+    for slot in ((first + i) % UID_SLOTS for i in range(UID_SLOTS)):
+        with open(os.path.join(slots, str(slot)), "ab") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            yield UID_BASE + slot
+            return
+    raise SandboxUnavailable(f"all {UID_SLOTS} sandbox uids are in use")
+
+
+def _empty_fd() -> int:
+    """The read end of a pipe with nothing in it: `--ro-bind-data` turns it into an empty file."""
+    read, write = os.pipe()
+    os.close(write)
+    return read
+
+
+def _bwrap_args(limits: SandboxLimits, code_fd: int, seccomp_fd: int, masks: dict[str, int]) -> list[str]:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap is not installed (no `bwrap` on PATH): `apt-get install bubblewrap` (make setup does)")
-    if not os.path.isfile(limits.python) or not limits.python.startswith("/usr/"):
-        raise SandboxUnavailable(f"sandbox python {limits.python!r} is not a file under /usr (the only tree mounted inside)")
-    as_root = os.geteuid() == 0
-    cmd = [
-        bwrap, "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-        "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",
+    masked = [arg for name, fd in masks.items() for arg in ("--ro-bind-data", str(fd), f"/proc/{name}")]
+    return [
+        bwrap, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns",
+        "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+        "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin",
+        "--proc", "/proc", *masked, "--dev", "/dev", "--perms", "1777", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
         "--perms", "1777", "--size", str(limits.scratch_mb << 20), "--tmpfs", "/scratch",
-        "--perms", "0755", "--dir", "/code", "--ro-bind", code_file, "/code/main.py", "--remount-ro", "/", "--chdir", "/scratch",
-        "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-        "--die-with-parent", "--new-session", "--clearenv",
-        "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/scratch", "--setenv", "TMPDIR", "/scratch",
-        "--setenv", "PYTHONIOENCODING", "utf-8",
+        "--perms", "0755", "--dir", "/code", "--perms", "0444", "--file", str(code_fd), "/code/main.py", "--remount-ro", "/", "--chdir", "/scratch",
+        "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/scratch", "--setenv", "TMPDIR", "/scratch",
+        "--setenv", "PYTHONIOENCODING", "utf-8:backslashreplace", "--seccomp", str(seccomp_fd),
+        limits.python, "-I", "-B", "/code/main.py",
     ]
-    if as_root:  # a real unprivileged uid: RLIMIT_NPROC counts only the sandbox's own processes
-        drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--no-new-privs", "--bounding-set=-all"]
-    else:  # without root, a user namespace maps the invoking user to nobody
-        cmd += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]
-        drop = []
-    return [*cmd, *drop, limits.python, "-I", "-B", "/code/main.py"]
 
 
 def _own_processes() -> int:
@@ -127,17 +204,21 @@ def _uid_of(pid: str) -> int | None:
         return None
 
 
-def _rlimits(limits: SandboxLimits, nproc: int) -> list[str]:
-    """`prlimit` setting the limits before bwrap starts (an exec'd command rather than a
-    preexec_fn, which is unsafe in a process with threads, such as a rollout's tool workers)."""
-    prlimit = shutil.which("prlimit")
-    if prlimit is None:
-        raise SandboxUnavailable("util-linux's `prlimit` is not on PATH: `apt-get install util-linux`")
-    values = {
-        "cpu": limits.cpu_s, "as": limits.memory_mb << 20, "nproc": nproc,
-        "fsize": limits.max_file_mb << 20, "nofile": limits.max_open_files, "core": 0,
+def _launch_spec(limits: SandboxLimits, uid: int | None, group: SandboxCgroup) -> str:
+    # with a uid of its own or a pids cgroup, RLIMIT_NPROC / pids.max count this sandbox only;
+    # otherwise RLIMIT_NPROC counts the invoking user's processes, so it is raised by their count
+    shared_user = uid is None and "pids" not in group.controllers
+    nproc = limits.max_processes + BWRAP_PROCESSES + (_own_processes() if shared_user else 0)
+    rlimits = {
+        "RLIMIT_CPU": limits.cpu_s, "RLIMIT_AS": limits.memory_mb << 20, "RLIMIT_NPROC": nproc,
+        "RLIMIT_FSIZE": limits.max_file_mb << 20, "RLIMIT_NOFILE": limits.max_open_files, "RLIMIT_CORE": 0,
     }
-    return [prlimit, *(f"--{name}={value}:{value}" for name, value in values.items()), "--"]
+    return json.dumps({"cgroup_procs": group.procs_files, "rlimits": rlimits, "uid": uid, "keyctl": seccomp.syscall_number("keyctl")})
+
+
+def _check_python(limits: SandboxLimits) -> None:
+    if not os.path.isfile(limits.python) or not limits.python.startswith("/usr/"):
+        raise SandboxUnavailable(f"sandbox python {limits.python!r} is not a file under /usr (the only tree mounted inside)")
 
 
 def _collect(proc: subprocess.Popen, limits: SandboxLimits, started: float) -> tuple[bytes, bytes, str | None]:
@@ -166,7 +247,15 @@ def _collect(proc: subprocess.Popen, limits: SandboxLimits, started: float) -> t
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group (bwrap and its monitor); the pid namespace takes the rest with it."""
+    """Stop the launcher's bwrap (the pid namespace goes with it) and let the launcher reap it all;
+    SIGKILL the whole process group if the launcher does not exit promptly."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=2.0)
+            return
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -174,38 +263,59 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _status(exit_code: int, stderr: str, killed: str | None) -> str:
+def _status(exit_code: int, stderr: str, killed: str | None, oom_killed: bool) -> str:
     if killed:
         return killed
+    if oom_killed or "MemoryError" in stderr:
+        return MEMORY_LIMIT
     if exit_code == 0:
         return OK
     if exit_code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):  # the kernel's RLIMIT_CPU signals
         return CPU_LIMIT
-    if "MemoryError" in stderr:
-        return MEMORY_LIMIT
     return CRASHED if exit_code > 128 else ERROR
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` (Python source) in a fresh sandbox; never raises for anything the code does."""
+def _source_bytes(code: str | bytes) -> bytes:
+    """The program's bytes: any str (lone surrogates kept, so Python reports them) or bytes."""
+    if isinstance(code, (bytes, bytearray)):
+        return bytes(code)
+    if isinstance(code, str):
+        return code.encode("utf-8", "surrogatepass")
+    raise TypeError(f"run_python: code must be str or bytes, got {type(code).__name__}")
+
+
+def run_python(code: str | bytes, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Run `code` (Python source, any str or bytes) in a fresh sandbox; never raises for anything the code does."""
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="sandbox-") as tmp:
-        code_file = os.path.join(tmp, "main.py")
-        with open(code_file, "w", encoding="utf-8") as f:
-            f.write(code)
-        os.chmod(tmp, 0o755)
-        os.chmod(code_file, 0o644)
-        nproc = limits.max_processes + (0 if os.geteuid() == 0 else _own_processes())
-        sandbox = _command(limits, code_file)  # checks bwrap first: the dependency users must install
-        cmd = _rlimits(limits, nproc) + sandbox
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    source = _source_bytes(code)
+    _check_python(limits)
+    filter_bytes = seccomp.deny_filter()
+    memory = ((limits.memory_mb + limits.scratch_mb) << 20) + SHM_BYTES  # the processes, the scratch tmpfs and /dev/shm
+    with tempfile.TemporaryFile() as code_file, tempfile.TemporaryFile() as filter_file, _own_uid() as uid:
+        code_file.write(source)
+        filter_file.write(filter_bytes)
+        code_file.seek(0)
+        filter_file.seek(0)
+        masks = {name: _empty_fd() for name in MASKED_PROC if os.path.exists(f"/proc/{name}")}
+        group = cgroup.create(memory, limits.max_processes + BWRAP_PROCESSES)
         try:
-            out, err, killed = _collect(proc, limits, started)
+            sandbox = _bwrap_args(limits, code_file.fileno(), filter_file.fileno(), masks)
+            cmd = [limits.python, "-I", "-S", "-c", _LAUNCHER, _launch_spec(limits, uid, group), *sandbox]
+            # env: no host variable reaches the launcher, so none shows in bwrap's init's /proc/1/environ either
+            proc = subprocess.Popen(cmd, env={"PATH": "/usr/bin"}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                    pass_fds=(code_file.fileno(), filter_file.fileno(), *masks.values()))
+            try:
+                out, err, killed = _collect(proc, limits, started)
+            finally:
+                _kill(proc)
+                proc.stdout.close()
+                proc.stderr.close()
+            oom_killed = group.oom_killed()
         finally:
-            _kill(proc)
-            proc.stdout.close()
-            proc.stderr.close()
+            group.close()
+            for fd in masks.values():
+                os.close(fd)
     cap = limits.max_output_bytes
     stdout, stderr = out[:cap].decode("utf-8", "replace"), err[:cap].decode("utf-8", "replace")
     exit_code = -signal.SIGKILL if killed else proc.returncode
-    return SandboxResult(_status(exit_code, stderr, killed), exit_code, stdout, stderr, time.monotonic() - started)
+    return SandboxResult(_status(exit_code, stderr, killed, oom_killed), exit_code, stdout, stderr, time.monotonic() - started)

@@ -1,4 +1,5 @@
-"""Advantages, losses and KL estimators: hand-derived numbers and properties."""
+"""Advantages, losses and KL estimators: hand-derived numbers and properties; the numerics at the edges
+(log-ratio clamp, holes in a response mask, groups of one)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_core.algos.advantages import broadcast_to_tokens, grpo_advantages
+from miles_core.algos.advantages import (
+    broadcast_to_tokens,
+    discounted_returns,
+    gae,
+    grpo_advantages,
+)
+from miles_core.algos.corrections import importance_weights
 from miles_core.algos.kl import entropy_from_logits, kl_penalty, token_logprobs
 from miles_core.algos.losses import masked_mean, ppo_clip_loss
+from miles_core.algos.objective import compute_advantages, is_weights, policy_loss
+from miles_core.config import AlgoConfig
 
 # Behaviour only: no per-example deadline, few examples so the file stays fast.
 PROPERTY = settings(max_examples=30, deadline=None, derandomize=True, database=None)
@@ -297,3 +306,81 @@ def test_token_logprobs_matches_log_softmax_gather(seed, shape, temperature):
 def test_token_logprobs_rejects_nonpositive_temperature():
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long), temperature=0.0)
+
+
+# --------------------------------------------------------------------------- numerics: clamp, holes, groups of one
+
+
+def _extreme_log_ratios():
+    """logprobs (a leaf with grad) and old log-probs 100 apart both ways, and one equal: log-ratios [[100, -100, 0]]."""
+    logprobs = torch.tensor([[-0.5, -120.0, -2.0]], requires_grad=True)
+    return logprobs, logprobs.detach() - torch.tensor([[100.0, -100.0, 0.0]])
+
+
+@pytest.mark.parametrize("loss_name, dual_clip", [("ppo", 0.0), ("ppo", 3.0), ("gspo", 0.0), ("cispo", 0.0)])
+@pytest.mark.parametrize("sign", [1.0, -1.0, 0.0])
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "low_var_kl"])
+def test_every_ratio_loss_is_finite_at_log_ratios_of_100(loss_name, dual_clip, sign, kl_type):
+    # unclamped, exp(100) is inf in float32: -A * inf is +-inf, 0 * inf is NaN, and so are the gradients
+    logprobs, old = _extreme_log_ratios()
+    algo = AlgoConfig(policy_loss=loss_name, dual_clip=dual_clip, kl_coef=0.1, kl_type=kl_type, kl_unbiased=True, is_correction="tis")
+    weights, metrics = is_weights(algo, logprobs.detach(), old, torch.ones(1, 3))
+    extras = {"old_logprobs": old, "advantages": torch.full((1, 3), sign), "ref_logprobs": old + 50.0, "is_weights": weights}
+    loss, terms = policy_loss(algo, logprobs, torch.zeros(1, 3), torch.ones(1, 3), extras)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(logprobs.grad).all()
+    assert all(torch.isfinite(v).all() for v in terms.values()) and all(math.isfinite(v) for v in metrics.values())
+
+
+def test_log_ratio_clamp_values_by_hand():
+    # clamp 5 (algo.log_ratio_clamp): a log-ratio of 100 gives ratio e^5 = 148.41, of -100 gives e^-5 = 0.0067379
+    logprobs, old = _extreme_log_ratios()
+    # PPO, A = -1, eps 0.2 / 0.28: r = 148.41: max(148.41, 1.28) = 148.41; r = e^-5: max(0.0067, 0.8) = 0.8; r = 1: 1
+    loss, _ = ppo_clip_loss(logprobs, old, -torch.ones(1, 3), 0.2, 0.28, log_ratio_clamp=5.0)
+    close(loss, [[148.4132, 0.8, 1.0]])
+    loss.sum().backward()  # the clamp bites at +-100: no gradient through those ratios; r = 1 (unclipped) gives -A r = 1
+    close(logprobs.grad, [[0.0, 0.0, 1.0]], atol=0)
+    # unbiased k1 at the clamp: k1 = logp - ref = 1 on each token, times the clamped ratio e^5, e^-5, 1
+    close(kl_penalty(logprobs.detach(), logprobs.detach() - 1.0, "k1", old, log_ratio_clamp=5.0), [[148.4132, 0.0067, 1.0]])
+    # token IS weights, log w = +-100 clamped to +-5: tis truncates e^5 to is_upper 2, keeps e^-5; mis zeroes both
+    tis, _ = importance_weights(logprobs.detach(), old, torch.ones(1, 3), "tis", "token", 0.5, 2.0, log_ratio_clamp=5.0)
+    close(tis, [[2.0, 0.0067, 1.0]])
+    mis, _ = importance_weights(logprobs.detach(), old, torch.ones(1, 3), "mis", "token", 0.5, 2.0, log_ratio_clamp=5.0)
+    close(mis, [[0.0, 0.0, 1.0]], atol=0)
+
+
+def test_gae_skips_a_hole_in_the_response_by_hand():
+    # mask [1, 0, 1] (position 1: a tool's output), gamma 0.5, lam 0.5; the hole's reward 5 and value 9 are ignored:
+    #   t=2: delta = 1 + 0.5 * 0 - 0.25 = 0.75,                 A_2 = 0.75
+    #   t=1: skipped, the recursion passes through:             A_1 = 0
+    #   t=0: delta = 0 + 0.5 * V_2 - 0.5 = 0.125 - 0.5 = -0.375, A_0 = -0.375 + 0.25 * 0.75 = -0.1875
+    #   returns A + V = [0.3125, 0, 1.0]  (a reset at the hole would give A_0 = 0 + 0.5 * 9 * 0 - 0.5 = -0.5)
+    adv, ret = gae(torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[0.5, 9.0, 0.25]]), torch.tensor([[1, 0, 1]]), 0.5, 0.5)
+    close(adv, [[-0.1875, 0.0, 0.75]])
+    close(ret, [[0.3125, 0.0, 1.0]])
+    # the same as GAE on the row with the hole removed
+    compact, _ = gae(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.25]]), torch.ones(1, 2), 0.5, 0.5)
+    close(adv[:, [0, 2]], compact, atol=1e-7)
+
+
+def test_discounted_returns_skip_a_hole_by_hand():
+    # mask [1, 0, 1, 0], gamma 0.5: G_2 = 2, G_1 = 0 (hole; its reward 7 ignored), G_0 = 1 + 0.5 * G_2 = 2 (a reset would give 1)
+    returns = discounted_returns(torch.tensor([[1.0, 7.0, 2.0, 3.0]]), torch.tensor([[1, 0, 1, 0]]), 0.5)
+    close(returns, [[2.0, 0.0, 2.0, 0.0]])
+
+
+def test_group_of_one_in_every_estimator():
+    rewards, mask = torch.tensor([5.0, -3.0]), torch.ones(2, 1)
+    # grpo (both variants) and reinforce_plus_plus_baseline: reward minus its own group mean = 0
+    for algo in (AlgoConfig(), AlgoConfig(normalize_std=False), AlgoConfig(advantage="reinforce_plus_plus_baseline")):
+        advantages, _ = compute_advantages(algo, rewards, mask, 1, None, None)
+        close(advantages, [[0.0], [0.0]], atol=0)
+    # reinforce_plus_plus_baseline keeps the KL shaping: token rewards -1 * [0.2, 0.4]; whitened: mean -0.3,
+    #   deviations +-0.1, var 0.02 / 1, std 0.14142 -> +-0.7071
+    shaped = AlgoConfig(advantage="reinforce_plus_plus_baseline", kl_coef=1.0, kl_in_reward=True)
+    close(compute_advantages(shaped, rewards, mask, 1, torch.tensor([[0.2], [0.4]]), None)[0], [[0.7071], [-0.7071]])
+    # reinforce_plus_plus reads no groups: returns [5, -3], mean 1, deviations +-4, var 32, std 5.657 -> +-0.7071
+    close(compute_advantages(AlgoConfig(advantage="reinforce_plus_plus"), rewards, mask, 1, None, None)[0], [[0.7071], [-0.7071]])
+    # rloo: no other sample to average
+    with pytest.raises(ValueError, match="rloo needs group_size >= 2.*got 1"):
+        compute_advantages(AlgoConfig(advantage="rloo"), rewards, mask, 1, None, None)

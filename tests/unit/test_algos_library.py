@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from miles_core.algos.advantages import (
@@ -390,10 +390,36 @@ def test_loss_weights_by_hand():
     close(loss_weights(mask, "seq-mean-token-sum"), [[0.5, 0.5, 0.5, 0], [0.5, 0, 0, 0]])
     # seq-mean-token-sum-norm, horizon 4: 1 / (2 * 4) = 0.125 per token, whatever the lengths
     close(loss_weights(mask, "seq-mean-token-sum-norm", horizon=4), [[0.125, 0.125, 0.125, 0], [0.125, 0, 0, 0]])
-    # an empty row gets 0 and still counts in B: 1 / (2 * 2) = 0.25 on row 0
-    close(loss_weights(torch.tensor([[1, 1], [0, 0]]), "seq-mean-token-mean"), [[0.25, 0.25], [0.0, 0.0]])
     # the default is token-mean
     close(loss_weights(mask), loss_weights(mask, "token-mean"))
+
+
+def test_loss_weights_with_empty_rows_by_hand():
+    # rows: L = [2, 0, 1, 0] (rows 1 and 3 filtered out); 3 tokens, S = 2 non-empty sequences, B = 4 rows
+    mask = torch.tensor([[1, 1], [0, 0], [1, 0], [0, 0]])
+    # token-mean: 1 / 3 per token
+    close(loss_weights(mask, "token-mean"), [[1 / 3, 1 / 3], [0, 0], [1 / 3, 0], [0, 0]])
+    # seq-mean-token-mean: mean over the S = 2 sequences that have tokens: 1 / (2 * 2) = 0.25 on row 0,
+    #   1 / (2 * 1) = 0.5 on row 2; the weights still sum to 1 (dividing by B = 4 would give 0.5)
+    close(loss_weights(mask, "seq-mean-token-mean"), [[0.25, 0.25], [0, 0], [0.5, 0], [0, 0]])
+    # seq-mean-token-sum: 1 / S = 0.5 per token (sum of token sums over the 2 sequences)
+    close(loss_weights(mask, "seq-mean-token-sum"), [[0.5, 0.5], [0, 0], [0.5, 0], [0, 0]])
+    # seq-mean-token-sum-norm, horizon 2: a constant 1 / (B * horizon) = 1 / 8 per token, empty rows counted
+    close(loss_weights(mask, "seq-mean-token-sum-norm", horizon=2), [[0.125, 0.125], [0, 0], [0.125, 0], [0, 0]])
+    # an all-empty mini-batch: zeros in every mode, no NaN
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        close(loss_weights(torch.zeros(2, 3), mode, 4), torch.zeros(2, 3))
+
+
+def test_loss_weights_aggregate_a_loss_as_their_docstring_says():
+    # per-token loss [[1, 3], [9, 9], [5, 7]], mask [[1, 1], [0, 0], [1, 0]]: sequence 0 tokens 1, 3; sequence 2 token 5
+    loss, mask = torch.tensor([[1.0, 3.0], [9.0, 9.0], [5.0, 7.0]]), torch.tensor([[1, 1], [0, 0], [1, 0]])
+    total = {mode: float((loss_weights(mask, mode, horizon=4) * loss).sum()) for mode in
+             ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")}
+    assert total["token-mean"] == pytest.approx((1 + 3 + 5) / 3)  # 3
+    assert total["seq-mean-token-mean"] == pytest.approx((2 + 5) / 2)  # token-means 2 and 5 over 2 sequences
+    assert total["seq-mean-token-sum"] == pytest.approx((4 + 5) / 2)  # token sums 4 and 5 over 2 sequences
+    assert total["seq-mean-token-sum-norm"] == pytest.approx((4 + 5) / (3 * 4))  # over B = 3 rows x horizon 4
 
 
 def test_loss_weights_unknown_mode_names_it():
@@ -441,6 +467,8 @@ def test_unbiased_kl_is_exact_kl_in_value_and_gradient_under_the_old_policy(seed
     log_old = torch.log_softmax(torch.randn(vocab, generator=gen, dtype=torch.float64), -1)
     log_ref = torch.log_softmax(torch.randn(vocab, generator=gen, dtype=torch.float64), -1)
     log_pi = torch.log_softmax(logits, -1)
+    # k3 is clamped to [-10, 10] (verl's bound); the identity holds where the clamp is inactive
+    assume(bool((kl_penalty(log_pi.view(1, -1), log_ref.view(1, -1), kind).abs() < 10.0).all()))
     estimate = (log_old.exp() * kl_penalty(log_pi.view(1, -1), log_ref.view(1, -1), kind, log_old.view(1, -1))).sum()
     (grad_estimate,) = torch.autograd.grad(estimate, logits)
     # the target: KL(pi || ref) = sum_x pi (log pi - log ref), differentiated directly

@@ -74,3 +74,54 @@ def test_a_failed_write_leaves_the_previous_file(tmp_path):
         write_batch(bad, path)
     assert path.read_bytes() == before
     assert len(from_frame(pd.read_parquet(path))) == 4
+
+
+def test_float_negative_and_out_of_vocabulary_token_ids():
+    floats, negative, large = batch(), batch(), batch()
+    floats[1].prompt_tokens = [5.0, 6.5]
+    negative[2].response_tokens = [8, -1, 2]
+    large[3].prompt_tokens = [5, 32000]
+    expect(to_frame(floats), "column prompt_tokens", "integer_ids", "rows [1]", "p0/1")
+    expect(to_frame(negative), "column response_tokens", "non_negative_ids", "rows [2]", "p1/0")
+    expect(to_frame(large), "column prompt_tokens", "ids_below_vocab_size(32000)", "rows [3]", "p1/1", vocab_size=32000)
+    check_batch(to_frame(large), "b.parquet", vocab_size=32001)  # 32000 is the last id of a 32001-token vocabulary
+    check_batch(to_frame(large), "b.parquet")  # without a vocabulary size only the sign is checked
+
+
+def test_sample_id_must_be_prompt_id_slash_index():
+    frame = to_frame(batch())
+    frame.at[1, "sample_id"] = "p7/1"
+    expect(frame, "columns sample_id, prompt_id, index", "sample_id_matches_group", "rows [1]")
+
+
+def test_one_label_per_group():
+    samples = batch()
+    samples[3].label = "13"  # p1's group: rows 2 (label 12) and 3 (label 13)
+    expect(to_frame(samples), "columns prompt_id, label", "one_label_per_group", "rows [2, 3]", "p1/0")
+
+
+def test_whole_groups_of_the_group_size():
+    expect(to_frame(batch(3)), "whole_groups_of(2)", "rows [2]", "p1/0", group_size=2)  # p1's second sample is in another batch
+    shuffled = batch()
+    shuffled[1], shuffled[2] = shuffled[2], shuffled[1]  # p0/0, p1/0, p0/1, p1/1: both groups interleaved
+    expect(to_frame(shuffled), "whole_groups_of(2)", "rows [0, 1, 2, 3]", group_size=2)
+    expect(to_frame(batch()), "whole_groups_of(4)", group_size=4)  # two groups of 2 are not one group of 4
+    check_batch(to_frame(batch()), "b.parquet", group_size=2)
+
+
+def test_read_checks_vocabulary_and_groups_and_leaves_a_refused_file_as_it_was(tmp_path):
+    path = write_batch(batch(3), tmp_path / "b.parquet")
+    before = path.read_bytes()
+    with pytest.raises(BatchError, match="whole_groups_of"):
+        read_batch(path, group_size=2)
+    with pytest.raises(BatchError, match=r"ids_below_vocab_size\(9\)"):
+        read_batch(path, vocab_size=9)
+    assert path.read_bytes() == before and len(read_batch(path)) == 3
+
+
+def test_unreadable_file_names_the_file(tmp_path):
+    path = tmp_path / "junk.parquet"
+    path.write_bytes(b"not parquet")
+    with pytest.raises(BatchError, match="junk.parquet: not a readable parquet file"):
+        read_batch(path)
+    assert path.read_bytes() == b"not parquet"

@@ -6,7 +6,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from miles_core.data.source import DataError, DataState, Prompt, PromptSource, load_prompts
+from miles_core.data.source import (
+    DataError,
+    DataState,
+    Prompt,
+    PromptSource,
+    load_prompts,
+)
 
 
 def write_lines(path, lines):
@@ -101,9 +107,68 @@ def test_each_epoch_is_a_permutation_and_batches_cross_epochs():
     assert [p.id for p in PromptSource(prompts, seed=4).next_batch(7)] != epochs[0]
 
 
-def test_batch_larger_than_dataset():
+def test_batch_larger_than_the_prompt_file_is_refused_naming_both_sizes():
     source = PromptSource(make_prompts(3), seed=0)
-    assert len(source.next_batch(8)) == 8 and source.state == DataState(epoch=2, offset=2)
+    with pytest.raises(ValueError, match="a batch of 8 prompts cannot be drawn from 3 prompts"):
+        source.next_batch(8)
+    assert source.state == DataState(0, 0)  # a refused draw consumes nothing
+    assert len({p.id for p in source.next_batch(3)}) == 3  # the whole file is the largest batch
+
+
+def draw_steps(source, steps, per_step):
+    return [[p.id for p in source.next_batch(per_step)] for _ in range(steps)]
+
+
+@pytest.mark.parametrize("n_prompts,per_step,steps", [(10, 4, 20), (4000, 64, 130), (7, 3, 30), (5, 3, 20), (2, 1, 9), (1, 1, 4)])
+def test_no_batch_repeats_a_prompt_and_every_epoch_covers_the_file(n_prompts, per_step, steps):
+    """Sizes that are not multiples of the step: batches span epoch boundaries. With per_step <=
+    n_prompts // 2 + 1 nothing is skipped, so the stream cut into epochs of n_prompts draws holds
+    each prompt exactly once per epoch."""
+    source = PromptSource(make_prompts(n_prompts), seed=0)
+    batches = draw_steps(source, steps, per_step)
+    assert all(len(set(b)) == len(b) == per_step for b in batches)
+    stream = [i for b in batches for i in b]
+    full = len(stream) // n_prompts
+    epochs = [stream[e * n_prompts : (e + 1) * n_prompts] for e in range(full)]
+    assert all(sorted(e) == sorted(f"p{i}" for i in range(n_prompts)) for e in epochs)
+    # steps * per_step draws = `full` epochs and a remainder
+    assert source.state == DataState(epoch=full, offset=len(stream) - full * n_prompts)
+
+
+def test_the_default_recipe_crosses_its_first_epoch_boundary():
+    """4000 prompts, 64 per step: step 63 takes the last 32 of epoch 0 and the first 32 of epoch 1
+    (62 * 64 = 3968). With seed 0 a plain reshuffle put one prompt in both halves."""
+    source = PromptSource(make_prompts(4000), seed=0)
+    for _ in range(62):
+        source.next_batch(64)
+    assert source.state == DataState(0, 3968)
+    crossing = [p.id for p in source.next_batch(64)]
+    assert len(set(crossing)) == 64 and source.state == DataState(1, 32)
+
+
+def test_consecutive_draws_up_to_half_the_file_never_repeat():
+    """Dynamic sampling draws several batches per step: any window of n // 2 + 1 consecutive draws is repeat-free."""
+    source = PromptSource(make_prompts(9), seed=5)
+    stream = [p.id for _ in range(60) for p in source.next_batch(1)]
+    assert all(len(set(stream[i : i + 5])) == 5 for i in range(len(stream) - 4))
+
+
+def test_a_batch_over_half_the_file_that_would_span_epochs_starts_the_next_epoch():
+    """6 prompts, window 3: a batch of 5 at offset 4 (2 left) skips them and takes 5 of epoch 1."""
+    source = PromptSource(make_prompts(6), seed=1, state=DataState(0, 4))
+    batch = [p.id for p in source.next_batch(5)]
+    assert len(set(batch)) == 5 and source.state == DataState(1, 5)
+    assert batch == [p.id for p in PromptSource(make_prompts(6), seed=1, state=DataState(1, 0)).next_batch(5)]
+
+
+def test_order_depends_only_on_seed_and_epoch():
+    prompts = make_prompts(10)
+    by_steps = PromptSource(prompts, seed=2)
+    draw_steps(by_steps, 7, 4)  # 28 draws: epoch 2, offset 8
+    by_ones = PromptSource(prompts, seed=2)
+    draw_steps(by_ones, 28, 1)
+    assert by_steps.state == by_ones.state == DataState(2, 8)
+    assert draw_steps(by_steps, 5, 2) == draw_steps(by_ones, 5, 2)
 
 
 @pytest.mark.parametrize("stop_after", [0, 1, 2, 5])
@@ -113,7 +178,7 @@ def test_resume_from_state_equals_continuing(stop_after):
     for _ in range(stop_after):
         original.next_batch(4)
     resumed = PromptSource(prompts, seed=11, state=original.state)
-    for _ in range(6):
+    for _ in range(12):  # 48 more draws: four more epoch boundaries
         assert original.next_batch(4) == resumed.next_batch(4)
     assert original.state == resumed.state
 
@@ -125,3 +190,5 @@ def test_invalid_source_arguments():
         PromptSource(make_prompts(3), seed=0, state=DataState(epoch=0, offset=3))
     with pytest.raises(ValueError):
         PromptSource(make_prompts(3), seed=0).next_batch(0)
+    with pytest.raises(ValueError):
+        PromptSource(make_prompts(3), seed=0, state=DataState(epoch=-1, offset=0))

@@ -1,0 +1,69 @@
+"""The cross-key rules table (miles_core/config/rules.py): each rule refuses what it names, with its key
+path and the recipe file, and accepts the same recipe once the named fix is applied."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_core.config import AlgoConfig, ConfigError, RunConfig, load_recipe
+from miles_core.config.rules import RULES
+
+MEGATRON = {"train.backend": "megatron"}
+ASYNC = {"async_phase.schedule": "async"}
+
+# (id, overrides that break the rule, the error it must give, overrides on top that satisfy it)
+CASES = [
+    ("rloo_group", {"algo.advantage": "rloo", "rollout.n_samples": 1}, "algo.advantage: rloo needs rollout.n_samples >= 2", {"rollout.n_samples": 2}),
+    ("rollout_logprobs_tis", {"algo.use_rollout_logprobs": True, "algo.is_correction": "tis"},
+     "algo.use_rollout_logprobs: with algo.is_correction: tis the train/inference mismatch would be corrected twice", {"algo.is_correction": "none"}),
+    ("over_sample", {"rollout.over_sample": 1.5}, "rollout.over_sample: over-sampling feeds dynamic sampling's filter", {"rollout.dynamic_sampling": True}),
+    ("torch_dtype", {"train.megatron_dtype": "bfloat16"}, "train.megatron_dtype: 'bfloat16' is read by the megatron backend only", MEGATRON),
+    ("torch_tp", {"train.tensor_parallel": 2}, "train.tensor_parallel: 2 is read by the megatron backend only", MEGATRON),
+    ("torch_pp", {"train.pipeline_parallel": 2}, "train.pipeline_parallel: 2 is read by the megatron backend only", MEGATRON),
+    ("torch_ep", {"train.expert_parallel": 2, "model.arch": "qwen3_moe"}, "train.expert_parallel: 2 is read by the megatron backend only", MEGATRON),
+    # default model: 4 heads, 2 kv heads, intermediate 384, 4 layers, 8 experts
+    ("tp_heads", {**MEGATRON, "train.nproc_per_node": 3, "train.tensor_parallel": 3},
+     "train.tensor_parallel: must divide model.num_heads (4)", {"model.num_heads": 3, "model.num_kv_heads": 3, "model.hidden_size": 129}),
+    ("tp_kv_heads", {**MEGATRON, "train.nproc_per_node": 4, "train.tensor_parallel": 4}, "train.tensor_parallel: must divide model.num_kv_heads (2)", {"model.num_kv_heads": 4}),
+    ("tp_ffn", {**MEGATRON, "train.tensor_parallel": 2, "model.intermediate_size": 385}, "train.tensor_parallel: must divide model.intermediate_size (385)",
+     {"model.intermediate_size": 386}),
+    ("pp_layers", {**MEGATRON, "train.pipeline_parallel": 2, "model.num_layers": 3}, "train.pipeline_parallel: must divide model.num_layers (3)", {"model.num_layers": 6}),
+    ("ep_dense", {**MEGATRON, "train.expert_parallel": 2}, "train.expert_parallel: expert parallelism splits MoE experts, and model.arch 'qwen2' has none",
+     {"model.arch": "qwen3_moe"}),
+    ("ep_experts", {**MEGATRON, "train.expert_parallel": 2, "model.arch": "qwen3_moe", "model.num_experts": 3}, "train.expert_parallel: must divide model.num_experts (3)",
+     {"model.num_experts": 4}),
+    ("async_queue", {**ASYNC, "async_phase.queue_size": 16}, "async_phase.queue_size: must be >= rollout.prompts_per_step (32)", {"rollout.prompts_per_step": 16}),
+    ("async_critic", {**ASYNC, "algo.advantage": "ppo"}, "async_phase.schedule: async phases do not train a critic yet", {"algo.advantage": "grpo"}),
+    ("async_dynamic", {**ASYNC, "rollout.dynamic_sampling": True}, "async_phase.schedule: async phases do not run dynamic sampling", {"rollout.dynamic_sampling": False}),
+    ("async_attached", {**ASYNC, "rollout.engine": "sglang", "rollout.sglang.urls": "http://h:1"}, "async_phase.rollout_workers: attached SGLang servers",
+     {"async_phase.rollout_workers": 1}),
+    ("async_sync_iterations", {"async_phase.schedule": "mixed", "async_phase.sync_iterations": 3, "iterations": 3},
+     "async_phase.sync_iterations: must be < iterations (3)", {"iterations": 4}),
+]
+
+
+def recipe(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("name: rules\n")
+    return path
+
+
+@pytest.mark.parametrize("overrides, message, fix", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_rule_refuses_with_its_key_and_accepts_the_fix(tmp_path, overrides, message, fix):
+    path = recipe(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_recipe(path, overrides)
+    assert str(err.value).startswith(f"{path}: {message}")
+    assert isinstance(load_recipe(path, {**overrides, **fix}), RunConfig)
+
+
+def test_every_rule_of_the_table_has_a_case():
+    # each case breaks a different row: the messages name len(RULES) distinct (key, reason) rows
+    assert len(CASES) == len(RULES)
+    assert len({message for _, _, message, _ in CASES}) == len(RULES)
+    assert {c[2].split(":")[0] for c in CASES} == {rule.key for rule in RULES}
+
+
+def test_rules_also_hold_for_configs_built_in_code():
+    with pytest.raises(ConfigError, match="algo.use_rollout_logprobs: with algo.is_correction: mis"):
+        RunConfig(algo=AlgoConfig(use_rollout_logprobs=True, is_correction="mis"))
