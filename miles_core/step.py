@@ -18,10 +18,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import math
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -34,11 +35,14 @@ from miles_core.config import AlgoConfig, EvalConfig, HooksConfig, RewardConfig,
 from miles_core.data.source import Prompt
 from miles_core.plugins import plugin
 from miles_core.rewards.base import Response
+from miles_core.rewards.hub import batched
+from miles_core.rewards.remote import RemoteRewardUnavailable
 from miles_core.rollout.base import RolloutEngine, SamplingParams
-from miles_core.samples import Sample
+from miles_core.samples import Sample, sample_id_of
 from miles_core.train.base import Trainer, pack
 
 Group = list[Sample]  # the n samples of one prompt
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +77,8 @@ def _given(fn, keyword: str, section):
     return functools.partial(fn, **{keyword: section}) if keyword in inspect.signature(fn).parameters else fn
 
 
-def bind(rollout: RolloutConfig = RolloutConfig(), reward: RewardConfig = RewardConfig(), algo: AlgoConfig = AlgoConfig(),
-         hooks: HooksConfig = HooksConfig(), evaluation: EvalConfig = EvalConfig()) -> StepFns:
+def bind(rollout: RolloutConfig = RolloutConfig(), reward: RewardConfig = RewardConfig(), algo: AlgoConfig = AlgoConfig(),  # noqa: B008 (frozen)
+         hooks: HooksConfig = HooksConfig(), evaluation: EvalConfig = EvalConfig()) -> StepFns:  # noqa: B008 (frozen dataclasses)
     """Resolve every plug-point of the step from its config sections (a bad path fails here, naming its field)."""
     sections = {"rollout": rollout, "reward": reward, "algo": algo, "hooks": hooks}
     resolved = {name: plugin(cfg, section, name) for section, cfg in sections.items() for name in _PLUGPOINTS_OF[section]}
@@ -201,39 +205,45 @@ def score(samples: list[Sample], fns: StepFns, tokenizer, group_size: int | None
     against its own label and metadata; groups of group_size (default rollout.n_samples).
 
     A reward that fails or is not finite scores reward.fallback, is recorded in the sample's
-    metadata["reward_error"] and counted: a reward bug must not lose the rollout.
+    metadata["reward_error"] and counted: a reward bug must not lose the rollout. An unreachable
+    remote reward model (`RemoteRewardUnavailable`: its circuit breaker is open) fails the step
+    instead. A reward outside [reward.min, reward.max] after post_fn is clamped with a warning
+    naming the sample and counted (`reward/out_of_range`), as the remote client's `clamp` policy does.
     """
     started, cfg, n = time.perf_counter(), fns.reward, group_size or fns.rollout.n_samples
+    pending = [g for g in groups_of(samples, n) if any(math.isnan(s.reward) for s in g)]  # others: scored in an earlier round or step
+    responses = [[Response(tokenizer.decode(s.response_tokens, skip_special_tokens=True), s.label, s.metadata) for s in g] for g in pending]
+    reward_fn = batched(fns.reward_fn, [r for group in responses for r in group], cfg)  # remote: the batch at once, one deadline
     errors: dict[str, str] = {}  # response text -> why its reward failed
 
     def guarded(response: str, label: str, metadata: dict) -> float:
         try:
-            return float(fns.reward_fn(response, label, metadata))
-        except Exception as err:  # recorded per response below
+            return float(reward_fn(response, label, metadata))
+        except RemoteRewardUnavailable:
+            raise
+        except Exception as err:  # noqa: BLE001 (any reward bug is recorded per response below)
             errors[response] = f"{type(err).__name__}: {err}"[:300]
             return math.nan
 
-    fresh, failures = [], 0
-    for group in groups_of(samples, n):
-        if not any(math.isnan(s.reward) for s in group):
-            continue  # scored in an earlier round (dynamic sampling) or an earlier step (buffer)
-        responses = [Response(tokenizer.decode(s.response_tokens, skip_special_tokens=True), s.label, s.metadata) for s in group]
+    failures = 0
+    for group, group_responses in zip(pending, responses):
         try:
-            rewards = [float(r) for r in fns.group_fn(guarded, responses)]
+            rewards = [float(r) for r in fns.group_fn(guarded, group_responses)]
             if len(rewards) != len(group):
                 raise ValueError(f"returned {len(rewards)} rewards for {len(group)} responses")
-        except Exception as err:  # the group function itself failed: the whole group scores the fallback
+        except RemoteRewardUnavailable:
+            raise
+        except Exception as err:  # noqa: BLE001 (the group function itself failed: the whole group scores the fallback)
             rewards = [math.nan] * len(group)
-            errors.update({r.text: f"reward.group_fn: {type(err).__name__}: {err}"[:300] for r in responses})
-        for s, response, r in zip(group, responses, rewards):
+            errors.update({r.text: f"reward.group_fn: {type(err).__name__}: {err}"[:300] for r in group_responses})
+        for s, response, r in zip(group, group_responses, rewards):
             if not math.isfinite(r):
                 s.metadata = {**s.metadata, "reward_error": errors.get(response.text, f"reward is not finite ({r})")}
                 r, failures = cfg.fallback, failures + 1
             s.reward = r
-        fresh += group
+    fresh = [s for g in pending for s in g]
     fns.post_fn(fresh, n)
-    for s in fresh:
-        s.reward = min(max(s.reward, cfg.min), cfg.max)
+    out_of_range = clamp_rewards(fresh, cfg)
     rewards = torch.tensor([s.reward for s in samples]).view(-1, n)  # [G, n]
     return {
         "reward/mean": float(rewards.mean()),
@@ -241,8 +251,21 @@ def score(samples: list[Sample], fns: StepFns, tokenizer, group_size: int | None
         "reward/accuracy": float((rewards >= cfg.max).float().mean()),
         "reward/zero_std_group_fraction": float((rewards.std(dim=1) == 0).float().mean()) if n > 1 else 1.0,
         "reward/failures": float(failures),
+        "reward/out_of_range": float(out_of_range),
         "time/score_s": time.perf_counter() - started,
     }
+
+
+def clamp_rewards(samples: list[Sample], cfg: RewardConfig) -> int:
+    """Clamp every reward into [cfg.min, cfg.max], never silently: warns naming the samples; returns how many were out."""
+    out = [s for s in samples if not cfg.min <= s.reward <= cfg.max]
+    if out:
+        named = ", ".join(f"{sample_id_of(s.prompt_id, s.index)}={s.reward}" for s in out[:8])
+        log.warning("%d reward(s) outside [reward.min, reward.max] = [%s, %s] after reward.post_fn, clamped: %s%s",
+                    len(out), cfg.min, cfg.max, named, ", ..." if len(out) > 8 else "")
+    for s in out:
+        s.reward = min(max(s.reward, cfg.min), cfg.max)
+    return len(out)
 
 
 def score_batch(samples: list[Sample], fns: StepFns, tokenizer, iteration: int, rollout_metrics: dict | None = None) -> dict:
@@ -270,7 +293,7 @@ def optimize(trainer: Trainer, samples: list[Sample], fns: StepFns, pad_id: int,
     samples = [s if k else dataclasses.replace(s, loss_mask=[0] * len(s.loss_mask)) for s, k in zip(samples, kept)]
     batch = pack(samples, pad_id)
     current = trainer.logprobs(batch, cfg.temperature)  # [B, T] policy before this step's updates
-    metrics = mismatch_metrics(current, batch.rollout_logprobs, batch.loss_mask)
+    metrics = mismatch_metrics(current, batch.rollout_logprobs, batch.loss_mask, algo.log_ratio_clamp)
     old_logprobs = batch.rollout_logprobs if algo.use_rollout_logprobs else current
     extras = {"old_logprobs": old_logprobs}
     if algo.is_correction != "none":
@@ -278,10 +301,10 @@ def optimize(trainer: Trainer, samples: list[Sample], fns: StepFns, pad_id: int,
         metrics.update(is_metrics)
     if algo.kl_coef > 0:
         extras["ref_logprobs"] = reference.logprobs(batch, cfg.temperature)
-    kl = kl_penalty(old_logprobs, extras["ref_logprobs"], algo.kl_type) if algo.kl_in_reward else None  # [B, T]
+    kl = kl_penalty(old_logprobs, extras["ref_logprobs"], algo.kl_type, log_ratio_clamp=algo.log_ratio_clamp) if algo.kl_in_reward else None  # [B, T]
     values = critic.logprobs(batch, cfg.temperature) if critic is not None else None  # [B, T] the critic's V(s_t)
     rewards = torch.tensor([s.reward for s in samples])  # [B]
-    extras["advantages"], returns = fns.advantage_fn(algo, rewards, batch.response_mask, cfg.n_samples, kl, values)
+    extras["advantages"], returns = fns.advantage_fn(algo, rewards, batch.loss_mask, cfg.n_samples, kl, values)  # holes (tool output) are no steps
     weights_fn = functools.partial(loss_weights, mode=algo.loss_aggregation, horizon=algo.aggregation_horizon or cfg.max_new_tokens)
     if critic is not None:
         critic_metrics = critic.train_on(batch, {"old_values": values, "returns": returns}, functools.partial(critic_loss, algo), cfg.temperature, weights_fn=weights_fn)

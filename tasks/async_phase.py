@@ -22,6 +22,7 @@ from containers.images import cpu_image
 from miles_core.async_loop import PhaseSpec, run_phase
 from miles_core.config import AlgoConfig, AsyncConfig, DataConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, load_prompts
+from miles_core.models import vocab_size
 from miles_core.plugins import plugin
 from miles_core.schemas import read_batch, write_batch
 from miles_core.storage import artifact_path, atomic_dir
@@ -42,8 +43,9 @@ RAY_CLUSTER = RayJobConfig(
       cache_version=cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, PublishConfig, module=__name__))
 def async_phase(cfg: AsyncConfig, rollout: RolloutConfig, data: DataConfig, reward: RewardConfig, algo: AlgoConfig, train: TrainConfig,
                 hooks: HooksConfig, publish_cfg: PublishConfig, ckpt: Checkpoint, policy: Policy, reference: Policy, dataset: Dataset,
-                state: DataState, buffer: Optional[FlyteFile], first_iteration: int, steps: int, root: str, code: str) -> AsyncPhaseResult:
-    waiting = read_batch(buffer.path, scored=True, reward_range=(reward.min, reward.max)) if buffer is not None else []
+                state: DataState, buffer: Optional[FlyteFile], first_iteration: int, steps: int, root: str, code: str) -> AsyncPhaseResult:  # noqa: UP045 (as flytekit types it)
+    batches = {"scored": True, "reward_range": (reward.min, reward.max), "vocab_size": vocab_size(policy.dir.path), "group_size": rollout.n_samples}
+    waiting = read_batch(buffer.path, **batches) if buffer is not None else []
     spec = PhaseSpec(
         cfg=cfg, rollout=rollout, reward=reward, algo=algo, train=train, hooks=hooks, source_fn=plugin(data, "data", "source_fn"), seed=data.seed,
         prompts=load_prompts(dataset.train.path, data.input_key, data.label_key, data.metadata_key), state=state,
@@ -56,9 +58,9 @@ def async_phase(cfg: AsyncConfig, rollout: RolloutConfig, data: DataConfig, rewa
     with atomic_dir(out) as tmp:
         result = run_phase(spec, str(tmp / "checkpoint"), str(tmp / "policy"), publish_cfg.dtype)
         for i, batch in enumerate(result.consumed):
-            write_batch(batch, tmp / "batches" / f"step-{first_iteration + i:04d}.parquet", scored=True, reward_range=(reward.min, reward.max))
+            write_batch(batch, tmp / "batches" / f"step-{first_iteration + i:04d}.parquet", **batches)
         if result.buffer:
-            write_batch([s for g in result.buffer for s in g], tmp / "buffer.parquet", scored=True, reward_range=(reward.min, reward.max))
+            write_batch([s for g in result.buffer for s in g], tmp / "buffer.parquet", **batches)
         version = policy.version + steps
         ledger = {"state_before": dataclasses.asdict(state), "state_after": dataclasses.asdict(result.state), "dropped": result.dropped,
                   "filtered": result.filtered, "weight_versions": [version - steps, version], "metrics": result.metrics}

@@ -22,8 +22,9 @@ from flytekitplugins.kfpytorch import Elastic
 from transformers import AutoTokenizer
 
 from containers.images import cpu_image
-from miles_core.config import RunConfig, AlgoConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
+from miles_core.config import AlgoConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, RunConfig, TrainConfig
 from miles_core.data.source import DataState, load_prompts
+from miles_core.models import vocab_size
 from miles_core.plugins import plugin, plugin_code
 from miles_core.rollout.engines import make_engine, weight_update_metrics
 from miles_core.schemas import read_batch, write_batch
@@ -37,8 +38,9 @@ LOCAL_RESOURCES = Resources(cpu="2", mem="8Gi")
 
 
 def distributed(train: TrainConfig) -> Elastic:
-    """The train task's processes: train.nproc_per_node (data parallel on either backend; megatron also splits tensors and layers)."""
-    return Elastic(nnodes=1, nproc_per_node=train.nproc_per_node, start_method="fork")
+    """The train task's processes: train.nnodes x train.nproc_per_node (data parallel on either backend; megatron also splits
+    tensors and layers). Locally the workers fork from the task's process; on a cluster each node is a pod."""
+    return Elastic(nnodes=train.nnodes, nproc_per_node=train.nproc_per_node, start_method="fork")
 
 
 def train_overrides(train: TrainConfig) -> dict:
@@ -72,26 +74,28 @@ def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Ch
 
 @task(cache=True, cache_version=cache_version(RolloutConfig, DataConfig, RewardConfig, module=__name__), container_image=cpu_image)
 def rollout(cfg: RolloutConfig, data: DataConfig, reward: RewardConfig, policy: Policy, dataset: Dataset, state: DataState,
-            buffer: Optional[FlyteFile], iteration: int, root: str, code: str) -> RolloutResult:
+            buffer: Optional[FlyteFile], iteration: int, root: str, code: str) -> RolloutResult:  # noqa: UP045 (as flytekit types it)
     fns = bind(rollout=cfg, reward=reward)
     source = plugin(data, "data", "source_fn")(_prompts(dataset.train, data), data.seed, state)
     tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)
-    waiting = groups_of(read_batch(buffer.path, scored=True), cfg.n_samples) if buffer is not None else []
+    shape = {"vocab_size": vocab_size(policy.dir.path), "group_size": cfg.n_samples}
+    waiting = groups_of(read_batch(buffer.path, scored=True, **shape), cfg.n_samples) if buffer is not None else []
     engine = make_engine(cfg, policy.dir.path, policy.version)
     samples, left, metrics = fns.rollout_fn(engine, source, tokenizer, fns, scorer_of(fns, tokenizer), waiting, rollout_seed(cfg, iteration))
     metrics.update(weight_update_metrics(engine))
     out = artifact_path(root, "rollout", iteration, cfg, reward, policy.dir.path, state, buffer.path if buffer else "", code, suffix=".parquet")
-    write_batch(samples, out)
-    left_file = write_batch([s for g in left for s in g], out.with_suffix(".buffer.parquet"), scored=True) if left else None
+    write_batch(samples, out, **shape)
+    left_file = write_batch([s for g in left for s in g], out.with_suffix(".buffer.parquet"), scored=True, **shape) if left else None
     return RolloutResult(batch=lasting_file(out), state=source.state, metrics=metrics, buffer=lasting_file(left_file) if left_file else None)
 
 
 @task(cache=True, cache_version=cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__), container_image=cpu_image)
 def score(cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy: Policy, batch: RolloutResult, iteration: int, root: str, code: str) -> BatchResult:
-    samples = read_batch(batch.batch.path)
+    shape = {"vocab_size": vocab_size(policy.dir.path), "group_size": rollout.n_samples}
+    samples = read_batch(batch.batch.path, **shape)
     metrics = score_batch(samples, bind(rollout=rollout, reward=cfg, hooks=hooks), AutoTokenizer.from_pretrained(policy.dir.path), iteration, batch.metrics)
     out = artifact_path(root, "scored", iteration, cfg, hooks, batch.batch.path, code, suffix=".parquet")
-    write_batch(samples, out, scored=True, reward_range=(cfg.min, cfg.max))
+    write_batch(samples, out, scored=True, reward_range=(cfg.min, cfg.max), **shape)
     return BatchResult(batch=lasting_file(out), metrics=metrics)
 
 
@@ -101,7 +105,8 @@ def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: Rol
           ckpt: Checkpoint, batch: BatchResult, reference: Policy, iteration: int, root: str, code: str) -> TrainResult:
     """One RL step on every process (each trains its data-parallel rows); rank 0's result is the task's."""
     _forked_worker()
-    samples = read_batch(batch.batch.path, scored=True, reward_range=(reward.min, reward.max))
+    samples = read_batch(batch.batch.path, scored=True, reward_range=(reward.min, reward.max), vocab_size=vocab_size(reference.dir.path),
+                         group_size=rollout.n_samples)
     out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, ckpt.dir.path, batch.batch.path, code)
     step, metrics = train_checkpoint(cfg, bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks), ckpt.dir.path, samples, reference.dir.path, out, iteration)
     return TrainResult(ckpt=Checkpoint(dir=lasting_dir(out), step=step), metrics=metrics)

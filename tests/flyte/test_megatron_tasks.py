@@ -28,9 +28,10 @@ def test_trainer_tasks_are_cached_elastic_pods(task):
     assert task.task_config.nnodes == 1 and task.task_config.start_method == "fork"
 
 
-@pytest.mark.parametrize("backend, nproc", [("megatron", 4), ("megatron", 1), ("torch", 3)])
-def test_train_processes_come_from_the_recipe(backend, nproc):
-    assert rl_tasks.train_overrides(TrainConfig(backend=backend, nproc_per_node=nproc))["task_config"].nproc_per_node == nproc
+@pytest.mark.parametrize("backend, nnodes, nproc", [("megatron", 1, 4), ("megatron", 1, 1), ("torch", 1, 3), ("megatron", 2, 4), ("torch", 3, 2)])
+def test_train_processes_come_from_the_recipe(backend, nnodes, nproc):
+    elastic = rl_tasks.train_overrides(TrainConfig(backend=backend, nnodes=nnodes, nproc_per_node=nproc))["task_config"]
+    assert (elastic.nnodes, elastic.nproc_per_node) == (nnodes, nproc)
 
 
 @pytest.mark.parametrize("recipe", ["recipes/tiny_arith_megatron.yaml", "recipes/qwen3_4b_megatron_gpu.yaml"])
@@ -48,7 +49,8 @@ def test_megatron_recipes_validate_and_compile_with_their_resources(recipe):
     overrides = compile_entity(one_step).template.nodes[0].task_node.overrides
     gpus = [r.value for r in overrides.resources.requests if r.name == Resources.ResourceName.GPU] if overrides.resources else []
     assert gpus == ([str(cfg.train.gpus_per_node)] if cfg.train.gpus_per_node else [])
-    assert rl_tasks.train_overrides(cfg.train)["task_config"].nproc_per_node == cfg.train.nproc_per_node
+    elastic = rl_tasks.train_overrides(cfg.train)["task_config"]
+    assert (elastic.nnodes, elastic.nproc_per_node) == (cfg.train.nnodes, cfg.train.nproc_per_node)
 
 
 def test_gpu_recipe_parallel_sizes():
