@@ -22,10 +22,10 @@ import torch
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/ (whose megatron.py would shadow megatron-core)
 
-from bench.trainer import batch  # noqa: E402  the same addition-shaped batch as the torch benchmark
-from miles_core.config import ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
-from miles_core.step import bind, optimize  # noqa: E402
-from miles_core.models.tiny import build_tiny_model  # noqa: E402
+from bench.trainer import batch
+from miles_core.config import ModelConfig, RolloutConfig, TrainConfig
+from miles_core.models.tiny import build_tiny_model
+from miles_core.step import bind, optimize
 
 
 def time_steps(trainer, sequences: int, group: int, steps: int) -> dict:
@@ -55,7 +55,7 @@ def run_megatron(model_dir: str, nproc: int, tp: int, args) -> dict:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
     command = [*launcher, __file__, "--worker", model_dir, "--tp", str(tp), "--sequences", str(args.sequences), "--steps", str(args.steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else str(torch.get_num_threads()), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    out = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=1800)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise RuntimeError(out.stderr[-3000:])

@@ -19,10 +19,10 @@ from pathlib import Path
 from runner import metric, mlflow_runs, run_workflow
 from transformers import AutoTokenizer
 
-from miles_core.step import bind, evaluate
 from miles_core.config import load_recipe
 from miles_core.data.source import load_prompts
 from miles_core.rollout.engines.torch_engine import TorchEngine
+from miles_core.step import bind, evaluate
 from miles_core.train.sft import demonstrations, run_sft, sft_train_config
 from miles_core.train.torch_backend import TorchTrainer
 

@@ -12,9 +12,9 @@ import time
 import torch
 
 from miles_core.config import ModelConfig, RolloutConfig, TrainConfig
-from miles_core.step import bind, optimize
 from miles_core.models.tiny import build_tiny_model
 from miles_core.samples import Sample
+from miles_core.step import bind, optimize
 from miles_core.train.torch_backend import TorchTrainer
 
 

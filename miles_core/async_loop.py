@@ -140,7 +140,6 @@ class RolloutWorker:
 
     def __init__(self, index: int, spec: PhaseSpec, buffer):
         import ray  # actors live in Ray worker processes
-
         from transformers import AutoTokenizer
 
         torch.set_num_threads(spec.cfg.threads_per_actor)

@@ -12,8 +12,8 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 class PluginError(ValueError):

@@ -43,7 +43,7 @@ RAY_CLUSTER = RayJobConfig(
       cache_version=cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, PublishConfig, module=__name__))
 def async_phase(cfg: AsyncConfig, rollout: RolloutConfig, data: DataConfig, reward: RewardConfig, algo: AlgoConfig, train: TrainConfig,
                 hooks: HooksConfig, publish_cfg: PublishConfig, ckpt: Checkpoint, policy: Policy, reference: Policy, dataset: Dataset,
-                state: DataState, buffer: Optional[FlyteFile], first_iteration: int, steps: int, root: str, code: str) -> AsyncPhaseResult:  # noqa: UP045 (as flytekit types it)
+                state: DataState, buffer: Optional[FlyteFile], first_iteration: int, steps: int, root: str, code: str) -> AsyncPhaseResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
     batches = {"scored": True, "reward_range": (reward.min, reward.max), "vocab_size": vocab_size(policy.dir.path), "group_size": rollout.n_samples}
     waiting = read_batch(buffer.path, **batches) if buffer is not None else []
     spec = PhaseSpec(

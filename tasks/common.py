@@ -55,7 +55,7 @@ class RolloutResult:
     batch: FlyteFile
     state: DataState  # the data source's position after this batch
     metrics: dict[str, float]
-    buffer: Optional[FlyteFile] = None  # groups generated beyond the batch, for the next step
+    buffer: Optional[FlyteFile] = None  # noqa: UP045 (flytekit's type engine) groups generated beyond the batch, for the next step
 
 
 @dataclass
@@ -101,7 +101,7 @@ class AsyncPhaseResult:
     ckpt: Checkpoint  # the trainer's checkpoint after the phase, in the backend's format
     policy: Policy  # the same weights published as version start + K
     batches: FlyteDirectory  # step-NNNN.parquet: every consumed batch, scored, with weight and trainer versions
-    buffer: Optional[FlyteFile]  # scored groups generated but not consumed, with their weight versions
+    buffer: Optional[FlyteFile]  # noqa: UP045 (flytekit's type engine) scored groups generated but not consumed, with their weight versions
     state: DataState  # the data source's position after every prompt this phase drew
     dropped: list[str]  # "draw/index" of the samples dropped as too stale
     steps: list[dict[str, float]]  # per training step: the training metrics and the async ones

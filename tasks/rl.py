@@ -74,7 +74,7 @@ def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Ch
 
 @task(cache=True, cache_version=cache_version(RolloutConfig, DataConfig, RewardConfig, module=__name__), container_image=cpu_image)
 def rollout(cfg: RolloutConfig, data: DataConfig, reward: RewardConfig, policy: Policy, dataset: Dataset, state: DataState,
-            buffer: Optional[FlyteFile], iteration: int, root: str, code: str) -> RolloutResult:  # noqa: UP045 (as flytekit types it)
+            buffer: Optional[FlyteFile], iteration: int, root: str, code: str) -> RolloutResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
     fns = bind(rollout=cfg, reward=reward)
     source = plugin(data, "data", "source_fn")(_prompts(dataset.train, data), data.seed, state)
     tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from miles_core.step import bind, optimize
 from miles_core.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.models.tiny import build_tiny_model
 from miles_core.samples import Sample
+from miles_core.step import bind, optimize
 from miles_core.train.base import pack
 
-TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, num_experts=4, moe_top_k=2, moe_intermediate_size=32)
+TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128, "num_experts": 4, "moe_top_k": 2, "moe_intermediate_size": 32}
 ALGO = AlgoConfig()
 FNS = bind(algo=ALGO, rollout=RolloutConfig(n_samples=4, temperature=1.0))  # groups of 4 (samples())
 

@@ -16,15 +16,18 @@ from containers.images import cpu_image
 from miles_core.async_loop import phase_plan
 from miles_core.config import RunConfig
 from miles_core.data.source import DataState
+from miles_core.plugins import STAGE_PLUGPOINTS, plugin_code
+from tasks.async_phase import async_phase
 from tasks.common import Dataset, Policy, Tracking
 from tasks.prepare import build_model, make_data
-from miles_core.plugins import STAGE_PLUGPOINTS, plugin_code
 from tasks.rl import convert, evaluate, publish, rollout, score, stage_code, train, train_overrides
 from tasks.sft import sft
 from tasks.tracking import Report, finish_run, log_iteration, log_phase, start_run
-from tasks.async_phase import async_phase
 
-LoopResult = NamedTuple("LoopResult", [("policy", Policy), ("evaluation", dict[str, float])])
+
+class LoopResult(NamedTuple):
+    policy: Policy
+    evaluation: dict[str, float]
 
 
 @dynamic(container_image=cpu_image)
@@ -62,7 +65,7 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
 
 
 @workflow
-def rl(cfg: RunConfig = RunConfig()) -> Report:
+def rl(cfg: RunConfig = RunConfig()) -> Report:  # noqa: B008 (the workflow's default input, frozen)
     base = build_model(cfg=cfg.model, root=cfg.run_root)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)

@@ -95,21 +95,21 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
 def _model_config(cfg: ModelConfig, tokenizer) -> transformers.PretrainedConfig:
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=pad_id,  # as in Qwen: <|endoftext|> doubles as bos, never prepended
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        dtype="float32",
-    )
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "bos_token_id": pad_id,  # as in Qwen: <|endoftext|> doubles as bos, never prepended
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "dtype": "float32",
+    }
     if cfg.arch == "qwen2":
         return transformers.Qwen2Config(**common)
     if cfg.arch in _MORE_ARCHS:

@@ -33,9 +33,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from miles_core.chat import prompt_tokens, tool_turn_tokens
 from miles_core.config import MultiTurnConfig, RolloutConfig
 from miles_core.data.source import Prompt
-from miles_core.chat import prompt_tokens, tool_turn_tokens
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, RolloutEngine, SamplingParams
 from miles_core.samples import Sample
 from miles_core.tools import TOOLS

@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -44,7 +45,7 @@ class PackedBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, rows: slice) -> "PackedBatch":
+    def select(self, rows: slice) -> PackedBatch:
         return PackedBatch(*(t[rows] for t in self.__dict__.values()))
 
 
@@ -97,7 +98,7 @@ class Trainer(Protocol):
 class TrainerBase:
     """The shared half of every backend; a subclass supplies the methods that raise NotImplementedError."""
 
-    cfg: "TrainConfig"  # noqa: F821 (miles_core.config.TrainConfig)
+    cfg: TrainConfig  # noqa: F821 (miles_core.config.TrainConfig)
     step: int
     optimizer: torch.optim.Optimizer
 

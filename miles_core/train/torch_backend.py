@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def _rows_of(rank: int, world: int, n: int) -> slice:
 
 class TorchTrainer(TrainerBase):
     auto_class = AutoModelForCausalLM
-    model_kwargs: dict = {}
+    model_kwargs: ClassVar[dict] = {}
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, step: int = 0):
         join_process_group()
@@ -58,12 +59,12 @@ class TorchTrainer(TrainerBase):
         )
 
     @classmethod
-    def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> "TorchTrainer":
+    def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> TorchTrainer:
         torch.manual_seed(cfg.seed)
         return cls(cls.auto_class.from_pretrained(policy_dir, dtype=torch.float32, **cls.model_kwargs), cfg)
 
     @classmethod
-    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> "TorchTrainer":
+    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> TorchTrainer:
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text())
         trainer = cls(cls.auto_class.from_pretrained(ckpt_dir, dtype=torch.float32, **cls.model_kwargs), cfg, step=state["step"])
         optim_file = Path(ckpt_dir) / "optimizer.pt"
@@ -153,7 +154,7 @@ class TorchTrainer(TrainerBase):
 
 class TorchCritic(TorchTrainer):
     auto_class = AutoModelForTokenClassification
-    model_kwargs = {"num_labels": 1}
+    model_kwargs: ClassVar[dict] = {"num_labels": 1}
 
     def _forward(self, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, None]:
         hidden = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1, 0]  # [b, L-1]

@@ -11,7 +11,8 @@ from flytekit.tools.translator import get_serializable
 
 import miles_core
 from containers.images import cpu_image
-from tasks import prepare, rl as rl_tasks, sft, tracking
+from tasks import prepare, sft, tracking
+from tasks import rl as rl_tasks
 from workflows.rl import rl, rl_loop
 
 pytestmark = pytest.mark.flyte

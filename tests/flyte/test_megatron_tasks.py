@@ -3,14 +3,12 @@ Elastic pods, cache settings, resources, and the train task's processes taken fr
 
 
 import pytest
-
-import miles_core
 from flytekit import workflow
 from flytekit.models.task import Resources
 
+import miles_core
 from containers.images import cpu_image
-from miles_core.config import load_recipe
-from miles_core.config import TrainConfig
+from miles_core.config import TrainConfig, load_recipe
 from tasks import rl as rl_tasks
 from tasks.common import BatchResult, Checkpoint, Policy
 from tests.flyte.test_compile import compile_entity

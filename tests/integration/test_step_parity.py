@@ -11,6 +11,7 @@ import json
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 from transformers import AutoTokenizer
@@ -33,9 +34,9 @@ pytestmark = pytest.mark.integration
 class RewardModel(BaseHTTPRequestHandler):
     """Rewards a response by the parity of its length (so groups differ), and records every request."""
 
-    requests: list[dict] = []
+    requests: ClassVar[list[dict]] = []
 
-    def do_POST(self):  # noqa: N802 (http.server's name)
+    def do_POST(self):
         payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         RewardModel.requests.append(payload)
         body = json.dumps({"reward": float(len(payload["response"]) % 2)}).encode()
@@ -124,5 +125,5 @@ def test_sync_and_async_run_the_same_functions_with_the_same_settings(setup, rec
     # every drawn prompt ended once: trained on, filtered by dynamic sampling, or left in the buffer
     ended = Counter([draw_of(s) for s in consumed] + [draw_of(s) for g in result.buffer for s in g])
     ended.update({d: cfg.rollout.n_samples for d in result.filtered})
-    drawn = range(0, stream_position(result.state, len(prompts)))
+    drawn = range(stream_position(result.state, len(prompts)))
     assert ended == Counter({d: cfg.rollout.n_samples for d in drawn})

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_core.chat import conversation_tokens, prompt_tokens, tool_turn_tokens
 from miles_core.config import ModelConfig, MultiTurnConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import Prompt
-from miles_core.chat import prompt_tokens
 from miles_core.models.tiny import build_tiny_model, build_tokenizer
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from miles_core.rollout.engines.torch_engine import TorchEngine
-from miles_core.chat import conversation_tokens, tool_turn_tokens
 from miles_core.rollout.multi_turn import generate, parse_tool_call
 from miles_core.train.base import pack
 from miles_core.train.torch_backend import TorchTrainer
@@ -54,7 +53,7 @@ class ScriptedEngine:
         return out
 
 
-def _run(tokenizer, script, settings=MultiTurnConfig(), max_new_tokens=64, n=1):
+def _run(tokenizer, script, settings=MultiTurnConfig(), max_new_tokens=64, n=1):  # noqa: B008 (frozen dataclass)
     engine = ScriptedEngine(tokenizer, script)
     params = SamplingParams(n=n, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
     samples, metrics = generate(engine, [Prompt("p0", "12*34=", "408")], tokenizer, params, RolloutConfig(multi_turn=settings))

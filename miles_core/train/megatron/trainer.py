@@ -72,7 +72,7 @@ class MegatronTrainer(TrainerBase):
         return build_model(spec, parallel_of(cfg), _DTYPES[cfg.megatron_dtype], routing_replay=spec.num_experts > 0)
 
     @classmethod
-    def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> "MegatronTrainer":
+    def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> MegatronTrainer:
         hf_config = read_hf_config(policy_dir)
         spec = arch_spec(hf_config)
         model = cls._build(spec, cfg)
@@ -80,7 +80,7 @@ class MegatronTrainer(TrainerBase):
         return cls(model, hf_config, cfg)
 
     @classmethod
-    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> "MegatronTrainer":
+    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> MegatronTrainer:
         """A torch_dist checkpoint at any parallel sizes; optimizer state when it has one."""
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text()) if (Path(ckpt_dir) / "trainer_state.json").exists() else {"step": 0}
         hf_config = read_hf_config(ckpt_dir)
