@@ -1,6 +1,7 @@
 """The torch trainer: packing, a GRPO step that moves the policy the right way, bitwise resume, data parallelism."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -167,3 +168,25 @@ def test_two_data_parallel_processes_train_like_one(policy_dir, tmp_path):
         assert torch.allclose(parallel["state"][name], value, atol=1e-6), name
     assert parallel["metrics"]["train/loss"] == pytest.approx(single["train/loss"], abs=1e-6)
     assert parallel["metrics"]["train/step"] == single["train/step"] == 2.0
+
+
+def test_advantages_see_the_loss_mask_and_kl_in_the_reward_its_clamp(policy_dir):
+    """The step hands advantage_fn the samples' loss masks (a tool's tokens are no step of the policy)
+    and shapes the reward with a KL whose log-ratio is clamped to algo.log_ratio_clamp."""
+    seen = {}
+    default = bind().advantage_fn
+
+    def advantage_fn(algo, rewards, mask, group_size, kl, values):
+        seen["mask"], seen["kl"] = mask.clone(), kl.clone()
+        return default(algo, rewards, mask, group_size, kl, values)
+
+    trainer, reference = TorchTrainer.from_hf(policy_dir, TrainConfig()), TorchTrainer.from_hf(policy_dir, TrainConfig())
+    algo = AlgoConfig(advantage="reinforce_plus_plus", kl_coef=0.1, kl_in_reward=True, use_rollout_logprobs=True, log_ratio_clamp=1.5)
+    samples = groups([1.0, 0.0])
+    samples[0].loss_mask = [1, 0]  # the second token is a tool's
+    fns = dataclasses.replace(bind(algo=algo, rollout=RolloutConfig(n_samples=2)), advantage_fn=advantage_fn)
+    optimize(trainer, samples, fns, 0, reference=reference)
+    assert seen["mask"].tolist() == [[1, 0], [1, 1]]
+    log_ratio = reference.logprobs(pack(samples, 0), 1.0) - torch.tensor(-1.0)  # the reference's against the rollout's (-1.0)
+    assert (log_ratio < -1.5).all()  # every log-ratio is past the clamp, so the clamp decides the KL
+    assert torch.allclose(seen["kl"], torch.full((2, 2), math.exp(-1.5) + 1.5 - 1.0))
