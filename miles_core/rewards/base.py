@@ -47,5 +47,6 @@ def no_post_processing(samples: list, group_size: int) -> None:
 
     `post_fn(samples, group_size) -> None` may rewrite `sample.reward` in place after scoring
     (e.g. a length penalty, or DAPO's overlong shaping); samples come in groups of `group_size`.
-    Results are clamped to [reward.min, reward.max] afterwards.
+    Results outside [reward.min, reward.max] are clamped afterwards, each named in a warning and counted
+    (metric reward/out_of_range).
     """
