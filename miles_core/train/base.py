@@ -169,6 +169,7 @@ class TrainerBase:
             tmp.mkdir(parents=True)
         self._barrier()
         self.save(str(tmp))
+        self._barrier()  # every process has written its share before the writer moves the directory
         if self._is_writer():
             copy_tokenizer(tokenizer_dir, tmp)
             if also is not None:

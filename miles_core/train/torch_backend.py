@@ -74,6 +74,8 @@ class TorchTrainer(TrainerBase):
         return trainer
 
     def save(self, ckpt_dir: str) -> None:
+        if not self._is_writer():  # data-parallel replicas are identical: one process writes, none races it on the same files
+            return
         self.model.save_pretrained(ckpt_dir, safe_serialization=True)
         if self.step:
             torch.save(self.optimizer.state_dict(), Path(ckpt_dir) / "optimizer.pt")
