@@ -23,27 +23,28 @@ import tempfile
 
 os.environ["HOME"] = tempfile.mkdtemp(prefix="bench-async-")  # a private Flyte cache for the preparation tasks
 
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+import ray
+import torch
+import yaml
+from transformers import AutoTokenizer
 
-from miles_core import loop  # noqa: E402
-from miles_core.async_loop import PhaseSpec, load_in_memory, make_engine, run_phase  # noqa: E402
-from miles_core.config import load_recipe  # noqa: E402
-from miles_core.data.source import DataState, load_prompts  # noqa: E402
-from miles_core.plugins import plugin  # noqa: E402
-from miles_core.train.torch_backend import TorchTrainer  # noqa: E402
-from tasks.prepare import build_model, make_data  # noqa: E402
-from tasks.rl import convert  # noqa: E402
-from tasks.sft import sft  # noqa: E402
+from miles_core.async_loop import PhaseSpec, run_phase
+from miles_core.config import load_recipe
+from miles_core.data.source import DataState, load_prompts
+from miles_core.plugins import plugin
+from miles_core.rollout.engines import make_engine
+from miles_core.step import bind, run_step
+from miles_core.step import evaluate as evaluate_policy
+from miles_core.train.torch_backend import TorchTrainer
+from tasks.prepare import build_model, make_data
+from tasks.rl import convert
+from tasks.sft import sft
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,16 +60,15 @@ def prepare(cfg):
 def run_sync(cfg, start, prompts, ckpt_dir: str, steps: int, threads: int):
     torch.set_num_threads(threads)
     started = time.perf_counter()
-    engine = make_engine(cfg.rollout, start.dir.path, start.version, threads=threads)
+    engine = make_engine(cfg.rollout, start.dir.path, start.version, num_threads=threads)
     trainer, tokenizer = TorchTrainer.load(ckpt_dir, cfg.train), AutoTokenizer.from_pretrained(ckpt_dir)
     source = plugin(cfg.data, "data", "source_fn")(prompts, cfg.data.seed, DataState())
-    scorer = functools.partial(loop.score, reward_fn=plugin(cfg.reward, "reward", "fn"), tokenizer=tokenizer, cfg=cfg.reward, group_size=cfg.rollout.n_samples)
+    fns = bind(rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, hooks=cfg.hooks, evaluation=cfg.evaluation)
     ready, consumed, rewards = time.perf_counter(), [], []
     for step in range(steps):
-        samples, _, _ = loop.rollout(engine, source, tokenizer, cfg.rollout, scorer, [], cfg.rollout.seed * 1_000_003 + step)
-        rewards.append(scorer(samples)["reward/mean"])
-        loop.train(trainer, samples, cfg.algo, cfg.rollout.n_samples, cfg.rollout.temperature, tokenizer.pad_token_id, horizon=cfg.rollout.max_new_tokens)
-        load_in_memory(engine, trainer.model.state_dict(), start.version + step + 1)
+        samples, _, metrics = run_step(engine, source, tokenizer, fns, trainer, [], step)
+        rewards.append(metrics["reward/mean"])
+        engine.load_state_dict(trainer.model.state_dict(), start.version + step + 1)
         consumed.append(samples)
     return summary(consumed, rewards, ready - started, time.perf_counter() - ready), engine
 
@@ -84,7 +84,7 @@ def run_async(cfg, start, prompts, ckpt_dir: str, steps: int, out: str):
     out_summary = summary(result.consumed, [s["reward/mean"] for s in result.steps], m["time/async_startup_s"], m["time/async_train_s"])
     out_summary.update({k.split("/")[1]: round(v, 3) for k, v in m.items() if k.startswith("async/") and "_per_s" not in k})
     out_summary["phase_wall_s"] = round(m["time/async_phase_s"], 1)  # start-up + run + finishing (buffer drained, checkpoint saved)
-    return out_summary, make_engine(cfg.rollout, out, start.version + steps, threads=2)
+    return out_summary, make_engine(cfg.rollout, out, start.version + steps, num_threads=2)
 
 
 def summary(consumed, rewards, startup_s: float, run_s: float) -> dict:
@@ -99,7 +99,7 @@ def summary(consumed, rewards, startup_s: float, run_s: float) -> dict:
 
 def held_out(cfg, engine, dataset, tokenizer) -> float:
     prompts = load_prompts(dataset.test.path, cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key)
-    return round(loop.evaluate(engine, prompts, tokenizer, plugin(cfg.reward, "reward", "fn"), cfg.reward, cfg.evaluation)["eval/accuracy"], 3)
+    return round(evaluate_policy(engine, prompts, tokenizer, bind(rollout=cfg.rollout, reward=cfg.reward, evaluation=cfg.evaluation))["eval/accuracy"], 3)
 
 
 def main() -> None:

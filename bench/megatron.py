@@ -4,7 +4,7 @@
 
 Runs the torch backend (1 process), then the megatron backend in 1 process, 2 processes with data
 parallel 2 and 2 processes with tensor parallel 2 (torchrun, gloo, 1 thread per process), each
-timing `loop.train` (old-logprob recompute + forward/backward + optimizer step) after a warm-up.
+timing `step.optimize` (old-logprob recompute + forward/backward + optimizer step) after a warm-up.
 The torch backend has no multi-process mode, so the 2-process ratios compare against it in 1 process.
 """
 
@@ -22,20 +22,20 @@ import torch
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/ (whose megatron.py would shadow megatron-core)
 
-from bench.trainer import batch  # noqa: E402  the same addition-shaped batch as the torch benchmark
-from miles_core.config import AlgoConfig, ModelConfig, TrainConfig  # noqa: E402
-from miles_core.loop import train  # noqa: E402
-from miles_core.models.tiny import build_tiny_model  # noqa: E402
+from bench.trainer import batch
+from miles_core.config import ModelConfig, RolloutConfig, TrainConfig
+from miles_core.models.tiny import build_tiny_model
+from miles_core.step import bind, optimize
 
 
 def time_steps(trainer, sequences: int, group: int, steps: int) -> dict:
     samples = batch(sequences, group, random.Random(0))
     tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-    train(trainer, samples, AlgoConfig(), group, 1.0, 0)  # warm-up
+    optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=group, temperature=1.0)), 0)  # warm-up
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        train(trainer, samples, AlgoConfig(), group, 1.0, 0)
+        optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=group, temperature=1.0)), 0)
         times.append(time.perf_counter() - started)
     best = min(times)
     return {"step_s_best": round(best, 4), "step_s_median": round(sorted(times)[len(times) // 2], 4), "tokens_per_s": round(tokens / best, 1), "tokens_per_step": tokens}
@@ -55,7 +55,7 @@ def run_megatron(model_dir: str, nproc: int, tp: int, args) -> dict:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
     command = [*launcher, __file__, "--worker", model_dir, "--tp", str(tp), "--sequences", str(args.sequences), "--steps", str(args.steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else str(torch.get_num_threads()), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    out = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=1800)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise RuntimeError(out.stderr[-3000:])

@@ -19,11 +19,10 @@ from pathlib import Path
 from runner import metric, mlflow_runs, run_workflow
 from transformers import AutoTokenizer
 
-from miles_core import loop
 from miles_core.config import load_recipe
 from miles_core.data.source import load_prompts
-from miles_core.rewards.math import integer_answer
 from miles_core.rollout.engines.torch_engine import TorchEngine
+from miles_core.step import bind, evaluate
 from miles_core.train.sft import demonstrations, run_sft, sft_train_config
 from miles_core.train.torch_backend import TorchTrainer
 
@@ -55,7 +54,7 @@ def main() -> None:
         out = Path(tmp) / "further_sft"
         trainer.export_hf(str(out), "float32")
         tokenizer.save_pretrained(out)
-        evaluation = loop.evaluate(TorchEngine(str(out)), load_prompts(test_file), tokenizer, integer_answer, cfg.reward, cfg.evaluation)
+        evaluation = evaluate(TorchEngine(str(out)), load_prompts(test_file), tokenizer, bind(reward=cfg.reward, evaluation=cfg.evaluation))
     print(json.dumps({
         "bench": "rl_vs_sft", "recipe": args.recipe, "heldout_prompts": int(evaluation["eval/prompts"]),
         "accuracy_sft_start": accuracy[0], "accuracy_after_rl": accuracy[max(accuracy)], "rl_phase_s": round(rl_seconds, 1),

@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from miles_core.config import AlgoConfig, ModelConfig, TrainConfig
-from miles_core.loop import train
+from miles_core.config import ModelConfig, RolloutConfig, TrainConfig
 from miles_core.models.tiny import build_tiny_model
 from miles_core.samples import Sample
+from miles_core.step import bind, optimize
 from miles_core.train.torch_backend import TorchTrainer
 
 
@@ -38,11 +38,11 @@ def main() -> None:
         trainer = TorchTrainer.from_hf(build_tiny_model(ModelConfig(), f"{tmp}/m"), TrainConfig())
         samples = batch(args.sequences, args.group, rng)
         tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-        train(trainer, samples, AlgoConfig(), args.group, 1.0, 0)  # warm-up
+        optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=args.group, temperature=1.0)), 0)  # warm-up
         times = []
         for _ in range(args.steps):
             started = time.perf_counter()
-            train(trainer, samples, AlgoConfig(), args.group, 1.0, 0)
+            optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=args.group, temperature=1.0)), 0)
             times.append(time.perf_counter() - started)
     best = min(times)
     print(json.dumps({

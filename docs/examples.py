@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from miles_core import loop
+from miles_core import step
 from miles_core.algos.advantages import broadcast_to_tokens
 from miles_core.data.source import PromptSource
 from miles_core.rollout.base import SamplingParams
@@ -30,15 +30,15 @@ def shortest_first(prompts, seed, state):
     return ShortestFirst(prompts, seed, state)
 
 
-def rollout_without_buffer(engine, source, tokenizer, cfg, scorer, buffer, seed):
+def rollout_without_buffer(engine, source, tokenizer, fns, scorer, buffer, seed):
     """rollout.rollout_fn: the default rollout, but leftover groups are discarded."""
-    samples, _, metrics = loop.rollout(engine, source, tokenizer, cfg, scorer, buffer, seed)
+    samples, _, metrics = step.rollout(engine, source, tokenizer, fns, scorer, buffer, seed)
     return samples, [], metrics
 
 
 def generate_short(engine, prompts, tokenizer, params: SamplingParams):
     """rollout.generate_fn: single-turn generation with at most 4 new tokens."""
-    return loop.generate(engine, prompts, tokenizer, dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 4)))
+    return step.generate(engine, prompts, tokenizer, dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 4)))
 
 
 def drop_truncated_groups(group):
@@ -57,11 +57,11 @@ def exact_text(response, label, metadata):
     return float(response.strip() == label.strip())
 
 
-def shortest_correct_bonus(reward_fn, responses, label, metadata):
+def shortest_correct_bonus(reward_fn, responses):
     """reward.group_fn: each response's reward, plus 0.5 for the shortest correct one(s)."""
-    rewards = [reward_fn(r, label, metadata) for r in responses]
-    correct = [len(r) for r, x in zip(responses, rewards) if x > 0]
-    return [x + 0.5 * (x > 0 and len(r) == min(correct)) for r, x in zip(responses, rewards)]
+    rewards = [reward_fn(r.text, r.label, r.metadata) for r in responses]
+    correct = [len(r.text) for r, x in zip(responses, rewards) if x > 0]
+    return [x + 0.5 * (x > 0 and len(r.text) == min(correct)) for r, x in zip(responses, rewards)]
 
 
 def length_penalty(samples, group_size):
@@ -93,13 +93,13 @@ def skip_truncated(sample):
     return sample.finish_reason != "length"
 
 
-def pass_at_4(engine, prompts, tokenizer, reward_fn, reward, cfg, generate_fn):
+def pass_at_4(engine, prompts, tokenizer, fns):
     """evaluation.fn: pass@4 with temperature-1 sampling, besides the greedy accuracy."""
-    metrics = loop.evaluate(engine, prompts, tokenizer, reward_fn, reward, cfg, generate_fn)
-    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=cfg.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,), seed=0)
-    samples, _ = generate_fn(engine, prompts, tokenizer, params)
-    loop.score(samples, reward_fn, tokenizer, reward, group_size=4)
-    solved = torch.tensor([s.reward >= reward.max for s in samples]).view(-1, 4).any(dim=1)
+    metrics = step.evaluate(engine, prompts, tokenizer, fns)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=fns.evaluation.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,), seed=0)
+    samples, _ = fns.generate_fn(engine, prompts, tokenizer, params)
+    step.score(samples, fns, tokenizer, group_size=4)
+    solved = torch.tensor([s.reward >= fns.reward.max for s in samples]).view(-1, 4).any(dim=1)
     return {**metrics, "eval/pass_at_4": float(solved.float().mean())}
 
 

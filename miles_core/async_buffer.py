@@ -8,7 +8,8 @@ half of it: when Ray restarts the actor, `register` hands its leased prompts out
 
 Every prompt draw carries its stream position (`metadata["draw"]`, epoch * len(prompts) +
 offset), so across phases each draw ends exactly once: consumed by a training step, dropped as
-too stale (policy "drop"), or still waiting in the buffer handed to the next phase.
+too stale (policy "drop"), dropped by dynamic sampling (rollout.dynamic_filter_fn), or still
+waiting in the buffer handed to the next phase.
 
 Bound: groups ready plus prompts leased never exceed `capacity`; a full buffer leases nothing
 (the rollout actor waits), which is what keeps a fast rollout from running far ahead.
@@ -57,6 +58,7 @@ class SampleBuffer:
         self._closed = False
         self._latest_weights = None  # ([ObjectRef of the state dict], version) of the last push
         self.dropped: list[str] = []  # "draw/index" of samples dropped as too stale
+        self.filtered: list[int] = []  # draws whose group dynamic sampling dropped
         self.registrations: Counter = Counter()
         self.rollout_stats: Counter = Counter()  # summed over deliveries: samples, tokens, busy/idle seconds
 
@@ -88,14 +90,16 @@ class SampleBuffer:
         drawn = self._source.next_batch(n)
         return [dataclasses.replace(p, metadata={**p.metadata, "draw": start + i}) for i, p in enumerate(drawn)]
 
-    def deliver(self, worker: int, groups: list[Group], stats: dict[str, float]) -> None:
-        """The groups of `worker`'s lease, generated and scored; ends the lease."""
+    def deliver(self, worker: int, groups: list[Group], stats: dict[str, float], filtered: list[int] = ()) -> None:
+        """The groups of `worker`'s lease, generated and scored, and the draws whose groups
+        rollout.dynamic_filter_fn dropped (they end there, like a consumed group); ends the lease."""
         leased = sorted(p.metadata["draw"] for p in self._leases.get(worker, []))
         delivered = sorted(draw_of(g) for g in groups)
-        if leased != delivered:
-            raise RuntimeError(f"rollout actor {worker} delivered draws {delivered} for its lease {leased}")
+        if leased != sorted(delivered + list(filtered)):
+            raise RuntimeError(f"rollout actor {worker} delivered draws {delivered} (filtered {sorted(filtered)}) for its lease {leased}")
         del self._leases[worker]
         self._ready += groups
+        self.filtered += sorted(filtered)
         self.rollout_stats.update(stats)
 
     def set_latest_weights(self, weights) -> None:
@@ -140,7 +144,7 @@ class SampleBuffer:
         """What the next phase needs and what this one measured; the buffer is empty afterwards."""
         ready, self._ready = self._ready, []
         return {
-            "groups": ready, "state": self._source.state, "dropped": list(self.dropped),
+            "groups": ready, "state": self._source.state, "dropped": list(self.dropped), "filtered": list(self.filtered),
             "restarts": sum(self.registrations.values()) - len(self.registrations),
             "rollout": dict(self.rollout_stats),
         }

@@ -1,13 +1,19 @@
 """The asynchronous phase: rollout actors and a trainer actor on Ray, K training steps.
 
     rollout actor i ──lease prompts──► SampleBuffer (bounded, leases) ◄──take groups── trainer actor
-         ▲  generate (rollout.generate_fn), score (loop.score), deliver groups         │ loop.train
-         └──────────── weights (state dict through the object store) every k steps ───┘
+         ▲  rollout.rollout_fn on the lease (generate, score, filter), deliver         │ step.train_step
+         └──────────── weights (HF state dict through the object store) every k steps ┘
 
-Each rollout actor owns one engine (`rollout.engines.make_engine`) and loops: lease prompts, generate, score,
-deliver. The trainer takes `rollout.prompts_per_step` groups no older than its version minus
+Both kinds of actor run the step functions of `miles_core.step` over the same `StepFns` the sync
+tasks use (`bind` on the same config sections), so a multi-turn tool rollout, a remote reward, a
+custom rollout_fn and dynamic sampling mean in async mode what they mean in sync mode. Each
+rollout actor owns one engine (`rollout.engines.make_engine`) and loops: lease
+`prompts_per_lease` prompts, run the run's rollout_fn on them as one batch (with dynamic
+sampling, dynamic_filter_fn drops groups within the lease and the buffer records their draws as
+filtered; the trainer waits for enough groups), deliver. The trainer (either backend, through
+`train.backends`) takes `rollout.prompts_per_step` groups no older than its version minus
 `max_staleness` (older ones are dropped or regenerated, `async_phase.stale_policy`), trains with
-the same `loop.train` as the sync loop, and every `update_weights_interval` steps pushes its
+`step.train_step`, and every `update_weights_interval` steps pushes its
 weights to every rollout actor; a push not acknowledged within `push_timeout_s` fails the phase.
 With partial rollout, generation runs in segments and a weight update lands between segments:
 the response continues under the new weights, and the older policy's tokens may be masked.
@@ -27,15 +33,17 @@ from collections import Counter
 
 import torch
 
-from miles_core import loop
-from miles_core.async_buffer import SampleBuffer
+from miles_core import step
+from miles_core.async_buffer import SampleBuffer, draw_of
 from miles_core.config import AlgoConfig, AsyncConfig, HooksConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, Prompt
 from miles_core.plugins import plugin
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engines import make_engine
 from miles_core.samples import Sample
-from miles_core.train.torch_backend import TorchTrainer
+from miles_core.step import StepFns, bind, groups_of, rollout_seed, score_batch, scorer_of, train_step
+from miles_core.train.backends import load_trainer, make_trainer
+from miles_core.weights.publish import publish
 
 ROLLOUT_ACTOR = "miles-rollout-{}"  # Ray actor names (a test kills one mid-phase by name)
 
@@ -85,30 +93,68 @@ class PhaseResult:
     dropped: list[str]  # "draw/index" of samples dropped as too stale
     steps: list[dict[str, float]]  # per-step metrics (training + async)
     metrics: dict[str, float]  # phase summary
+    filtered: list[int]  # draws whose group dynamic sampling dropped
+
+
+class LeasedPrompts:
+    """The data source of one lease for the run's rollout_fn: hands out the leased prompts, then nothing."""
+
+    def __init__(self, prompts: list[Prompt]):
+        self._left = list(prompts)
+
+    def next_batch(self, n: int) -> list[Prompt]:
+        batch, self._left = self._left[:n], self._left[n:]
+        return batch
+
+
+class TurnTakingEngine:
+    """An engine whose every `generate` call holds the actor's engine turn, so a weight update lands
+    between calls (between segments with partial rollout, between turns of a multi-turn rollout)."""
+
+    def __init__(self, engine, turn):
+        self.engine, self.turn = engine, turn
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def generate(self, prompts, params):
+        with self.turn():
+            return self.engine.generate(prompts, params)
+
+
+def lease_fns(fns: StepFns, cfg: AsyncConfig) -> StepFns:
+    """The run's StepFns for one lease: a batch is the lease's prompts (dynamic sampling filters within
+    it; the trainer waits for enough groups), and with partial rollout generation runs in segments."""
+    rollout = dataclasses.replace(fns.rollout, prompts_per_step=cfg.prompts_per_lease)
+    generate_fn = fns.generate_fn
+    if cfg.partial_rollout:
+        if getattr(generate_fn, "func", generate_fn) is not step.generate:
+            raise AsyncPhaseError("async_phase.partial_rollout continues single-turn responses only (rollout.generate_fn must be miles_core.step:generate)")
+        generate_fn = functools.partial(generate_segmented, generate_fn=generate_fn, rollout=fns.rollout, cfg=cfg)
+    return dataclasses.replace(fns, rollout=rollout, generate_fn=generate_fn)
 
 
 class RolloutWorker:
-    """A Ray actor (two threads: `run` generates, `update_weights` swaps weights between segments)."""
+    """A Ray actor (two threads: `run` generates, `update_weights` swaps weights between engine calls)."""
 
     def __init__(self, index: int, spec: PhaseSpec, buffer):
         import ray  # actors live in Ray worker processes
-
         from transformers import AutoTokenizer
 
         torch.set_num_threads(spec.cfg.threads_per_actor)
         self.index, self.spec, self.buffer = index, spec, buffer
         self.engine = make_engine(spec.rollout, spec.policy_dir, spec.version, num_threads=spec.cfg.threads_per_actor)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.policy_dir)
-        self.generate_fn = plugin(spec.rollout, "rollout", "generate_fn")
-        self.scorer = functools.partial(loop.score, reward_fn=plugin(spec.reward, "reward", "fn"), tokenizer=self.tokenizer,
-                                        cfg=spec.reward, group_size=spec.rollout.n_samples)
+        self.fns = lease_fns(spec_fns(spec), spec.cfg)
         self.lock, self.update_waiting = threading.Lock(), threading.Event()
         latest = ray.get(buffer.register.remote(index))  # a restarted actor resumes from the newest weights
         if latest is not None:
             self.engine.load_state_dict(ray.get(latest[0][0]), latest[1])
 
     def run(self) -> int:
-        """Lease, generate, score, deliver until the buffer closes; returns the number of leases served."""
+        """Lease, run the rollout_fn on the lease (generate, score, filter), deliver until the buffer
+        closes; returns the number of leases served."""
         import ray  # actors live in Ray worker processes
 
         served, idle_since = 0, time.perf_counter()
@@ -120,17 +166,20 @@ class RolloutWorker:
                 time.sleep(0.02)
                 continue
             idle, started = time.perf_counter() - idle_since, time.perf_counter()
-            samples = self._generate(prompts)
-            self.scorer(samples)
-            n = self.spec.rollout.n_samples
-            groups = [samples[i : i + n] for i in range(0, len(samples), n)]
+            scorer = scorer_of(self.fns, self.tokenizer)
+            samples, left, _ = self.fns.rollout_fn(TurnTakingEngine(self.engine, self._engine_turn), LeasedPrompts(prompts), self.tokenizer,
+                                                   self.fns, scorer, [], rollout_seed(self.spec.rollout, prompts[0].metadata["draw"]))
+            groups = groups_of(samples, self.spec.rollout.n_samples) + left
+            scorer([s for g in groups for s in g])  # without dynamic sampling nothing is scored yet
+            delivered = {draw_of(g) for g in groups}
             stats = {"samples": len(samples), "tokens": sum(len(s.response_tokens) for s in samples),
                      "busy_s": time.perf_counter() - started, "idle_s": idle}
-            ray.get(self.buffer.deliver.remote(self.index, groups, stats))
+            filtered = [p.metadata["draw"] for p in prompts if p.metadata["draw"] not in delivered]
+            ray.get(self.buffer.deliver.remote(self.index, groups, stats, filtered))
             served, idle_since = served + 1, time.perf_counter()
 
     def update_weights(self, state: dict, version: int) -> int:
-        self.update_waiting.set()  # the generating thread lets this one in at its next segment
+        self.update_waiting.set()  # the generating thread lets this one in at its next engine call
         try:
             with self.lock:
                 self.engine.load_state_dict(state, version)
@@ -145,38 +194,29 @@ class RolloutWorker:
         with self.lock:
             yield
 
-    def _generate(self, prompts: list[Prompt]) -> list[Sample]:
-        return generate_segmented(self.engine, prompts, self.tokenizer, self.generate_fn, self.spec.rollout, self.spec.cfg, self._engine_turn)
 
-
-def generate_segmented(engine, prompts: list[Prompt], tokenizer, generate_fn, rollout: RolloutConfig, cfg: AsyncConfig, turn) -> list[Sample]:
-    """Samples for `prompts`, generated in segments when partial rollout is on: `turn()` (a context
-    manager) holds the engine for one segment, and a weight update may land between segments, so
-    a response continues under the newer weights. Each sample's weight_version is the oldest
-    policy among the tokens it trains on; with cfg.mask_stale_tokens older tokens get loss mask 0."""
-    segment = cfg.partial_segment_tokens if cfg.partial_rollout else rollout.max_new_tokens
-    params = SamplingParams(
-        n=rollout.n_samples, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-        max_new_tokens=min(segment, rollout.max_new_tokens), stop_token_ids=(tokenizer.eos_token_id,),
-        seed=rollout.seed * 1_000_003 + prompts[0].metadata["draw"],  # a draw's sample depends on the draw and the weights
-    )
-    with turn():
-        samples, _ = generate_fn(engine, prompts, tokenizer, params)
+def generate_segmented(engine, prompts: list[Prompt], tokenizer, params: SamplingParams, *, generate_fn, rollout: RolloutConfig,
+                       cfg: AsyncConfig) -> tuple[list[Sample], dict]:
+    """`rollout.generate_fn` in segments (partial rollout): each engine call generates at most
+    cfg.partial_segment_tokens tokens, and a weight update may land between calls, so a response
+    continues under the newer weights. Each sample's weight_version is the oldest policy among the
+    tokens it trains on; with cfg.mask_stale_tokens older tokens get loss mask 0."""
+    params = dataclasses.replace(params, max_new_tokens=min(cfg.partial_segment_tokens, rollout.max_new_tokens))
+    samples, metrics = generate_fn(engine, prompts, tokenizer, params)
     versions = [[s.weight_version] * len(s.response_tokens) for s in samples]  # per response token
     for round_ in range(1, rollout.max_new_tokens):
         open_ = [i for i, s in enumerate(samples) if s.finish_reason == "length" and len(s.response_tokens) < rollout.max_new_tokens]
         if not open_:
             break
         left = rollout.max_new_tokens - len(samples[open_[0]].response_tokens)  # open samples share one length
-        step = dataclasses.replace(params, n=1, max_new_tokens=min(segment, left), seed=params.seed + 7919 * round_)
-        with turn():
-            generations = engine.generate([samples[i].prompt_tokens + samples[i].response_tokens for i in open_], step)
+        segment = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, left), seed=params.seed + 7919 * round_)
+        generations = engine.generate([samples[i].prompt_tokens + samples[i].response_tokens for i in open_], segment)
         for i, (g,) in zip(open_, generations):
             s = samples[i]
             s.response_tokens, s.rollout_logprobs = s.response_tokens + g.tokens, s.rollout_logprobs + g.logprobs
             s.loss_mask, s.finish_reason = s.loss_mask + [1] * len(g.tokens), g.finish_reason
             versions[i] += [g.weight_version] * len(g.tokens)
-    return [_versioned(s, v, cfg.mask_stale_tokens) for s, v in zip(samples, versions)]
+    return [_versioned(s, v, cfg.mask_stale_tokens) for s, v in zip(samples, versions)], metrics
 
 
 def _versioned(sample: Sample, versions: list[int], mask_stale: bool) -> Sample:
@@ -190,18 +230,20 @@ def _versioned(sample: Sample, versions: list[int], mask_stale: bool) -> Sample:
 
 
 class AsyncTrainer:
-    """A Ray actor holding the policy being optimised (and the KL reference when algo.kl_coef > 0)."""
+    """A Ray actor holding the policy being optimised, with either backend (and the KL reference when
+    algo.kl_coef > 0). It is one process: megatron runs in a world of one (gloo on CPU)."""
 
     def __init__(self, spec: PhaseSpec):
         from transformers import AutoTokenizer
 
         torch.set_num_threads(spec.cfg.threads_per_actor)
-        self.spec, self.version = spec, spec.version
-        self.trainer = TorchTrainer.load(spec.ckpt_dir, spec.train)
-        self.reference = TorchTrainer.from_hf(spec.reference_dir, spec.train) if spec.algo.kl_coef > 0 else None
+        parallel = spec.train.tensor_parallel * spec.train.pipeline_parallel * spec.train.expert_parallel
+        if spec.train.backend == "megatron" and parallel != 1:
+            raise AsyncPhaseError(f"the async phase trains in one process: train.tensor_parallel x pipeline_parallel x expert_parallel must be 1, got {parallel}")
+        self.spec, self.version, self.fns = spec, spec.version, spec_fns(spec)
+        self.trainer = load_trainer(spec.train, spec.ckpt_dir)
+        self.reference = make_trainer(spec.train, spec.reference_dir) if spec.algo.kl_coef > 0 else None
         self.tokenizer = AutoTokenizer.from_pretrained(spec.ckpt_dir)
-        # reward statistics of the consumed batch: every group was scored by its rollout actor already
-        self.stats = functools.partial(loop.score, reward_fn=None, tokenizer=self.tokenizer, cfg=spec.reward, group_size=spec.rollout.n_samples)
 
     def run(self, buffer, workers: list) -> tuple[list[list[Sample]], list[dict[str, float]]]:
         spec, consumed, steps = self.spec, [], []
@@ -212,12 +254,8 @@ class AsyncTrainer:
             for s in samples:
                 s.metadata = {**s.metadata, "trainer_version": self.version}
             staleness = [self.version - s.weight_version for s in samples]
-            metrics = self.stats(samples)
-            metrics.update(plugin(spec.hooks, "hooks", "rollout_log")(samples, metrics, iteration))
-            plugin(spec.hooks, "hooks", "before_train_step")(self.trainer, samples, iteration)
-            metrics.update(loop.train(self.trainer, samples, spec.algo, spec.rollout.n_samples, spec.rollout.temperature,
-                                      self.tokenizer.pad_token_id, reference=self.reference, horizon=spec.rollout.max_new_tokens))
-            plugin(spec.hooks, "hooks", "after_train_step")(self.trainer, metrics, iteration)
+            metrics = score_batch(samples, self.fns, self.tokenizer, iteration)  # every group was scored by its rollout actor
+            metrics.update(train_step(self.trainer, samples, self.fns, self.tokenizer.pad_token_id, self.reference, None, iteration))
             self.version += 1
             due = (i + 1) % spec.cfg.update_weights_interval == 0 and i + 1 < spec.steps
             metrics.update({
@@ -245,7 +283,7 @@ class AsyncTrainer:
         import ray  # actors live in Ray worker processes
 
         started, timeout = time.perf_counter(), self.spec.cfg.push_timeout_s
-        ref = ray.put({k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()})
+        ref = ray.put(self.trainer.hf_state_dict())
         ray.get(buffer.set_latest_weights.remote(([ref], self.version)))  # an actor restarting later starts from these
         acks = [w.update_weights.remote(ref, self.version) for w in workers]
         done, pending = ray.wait(acks, num_returns=len(acks), timeout=timeout)
@@ -255,20 +293,26 @@ class AsyncTrainer:
         ray.get(done)
         return time.perf_counter() - started
 
-    def save(self, ckpt_dir: str) -> int:
-        from miles_core.weights.publish import copy_tokenizer  # the checkpoint carries its tokenizer, as the sync trainer's
-
-        self.trainer.save(ckpt_dir)
-        copy_tokenizer(self.spec.ckpt_dir, ckpt_dir)
-        plugin(self.spec.hooks, "hooks", "after_save")(ckpt_dir, self.spec.first_iteration + self.spec.steps - 1)
+    def save(self, ckpt_dir: str, policy_dir: str | None, dtype: str) -> int:
+        """The checkpoint in the backend's format (with the tokenizer), then the after_save hook; with
+        policy_dir, the same weights published there as version spec.version + steps."""
+        self.trainer.save_atomically(ckpt_dir, self.spec.ckpt_dir)
+        self.fns.after_save(ckpt_dir, self.spec.first_iteration + self.spec.steps - 1)
+        if policy_dir is not None:
+            publish(self.trainer, ckpt_dir, policy_dir, dtype, self.version, self.spec.version)
         return self.trainer.step
 
 
-def run_phase(spec: PhaseSpec, ckpt_out: str) -> PhaseResult:
+def spec_fns(spec: PhaseSpec) -> StepFns:
+    return bind(rollout=spec.rollout, reward=spec.reward, algo=spec.algo, hooks=spec.hooks)
+
+
+def run_phase(spec: PhaseSpec, ckpt_out: str, policy_out: str | None = None, dtype: str = "float32") -> PhaseResult:
     """Run spec.steps training steps on the Ray cluster this process is connected to.
 
-    Writes the trainer's checkpoint to ckpt_out; returns the consumed batches, the buffer for the
-    next phase and the metrics. Every actor is gone when it returns or raises.
+    Writes the trainer's checkpoint to ckpt_out (and, with policy_out, publishes its weights there
+    in `dtype`); returns the consumed batches, the buffer for the next phase and the metrics.
+    Every actor is gone when it returns or raises.
     """
     import ray  # the async phase is the only part of the core that needs a Ray cluster
 
@@ -295,14 +339,14 @@ def run_phase(spec: PhaseSpec, ckpt_out: str) -> PhaseResult:
         _wait_for(runs, [], timeout=cfg.push_timeout_s + cfg.take_timeout_s)
         if not ray.get(buffer.settled.remote()):
             raise AsyncPhaseError("rollout actors stopped with prompts still leased or waiting: they would be lost")
-        step = ray.get(trainer.save.remote(ckpt_out))
+        optimizer_step = ray.get(trainer.save.remote(ckpt_out, policy_out, dtype))
         drained = ray.get(buffer.drain.remote())
     finally:
         for actor in (*workers, trainer, buffer):
             ray.kill(actor, no_restart=True)
     metrics = _summary(consumed, steps, drained, train_s)
-    metrics.update({"train/step": float(step), "time/async_startup_s": ready - started, "time/async_phase_s": time.perf_counter() - started})
-    return PhaseResult(consumed, drained["groups"], drained["state"], drained["dropped"], steps, metrics)
+    metrics.update({"train/step": float(optimizer_step), "time/async_startup_s": ready - started, "time/async_phase_s": time.perf_counter() - started})
+    return PhaseResult(consumed, drained["groups"], drained["state"], drained["dropped"], steps, metrics, drained["filtered"])
 
 
 def _wait_for(targets: list, watch: list, timeout: float | None = None) -> None:
@@ -342,6 +386,7 @@ def _summary(consumed: list[list[Sample]], steps: list[dict], drained: dict, tra
         "async/phase_staleness_mean": sum(k * v for k, v in staleness.items()) / max(len(samples), 1),
         **{f"async/staleness_{k}_fraction": v / len(samples) for k, v in sorted(staleness.items())},
         "async/dropped_samples": float(len(drained["dropped"])),
+        "async/filtered_groups": float(len(drained["filtered"])),
         "async/buffered_groups": float(len(drained["groups"])),
         "async/actor_restarts": float(drained["restarts"]),
         "time/async_train_s": train_s,

@@ -7,9 +7,13 @@ inside a run.
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import importlib
+import importlib.util
 import inspect
-from typing import Callable
+from collections.abc import Callable
+from pathlib import Path
 
 
 class PluginError(ValueError):
@@ -41,18 +45,18 @@ def load_function(path: str, field: str, params: tuple[str, ...] = ()) -> Callab
 # implementation beside each documents what the parameters are and what it returns.
 PLUGPOINTS: dict[str, tuple[str, ...]] = {
     "data.source_fn": ("prompts", "seed", "state"),  # data/source.py PromptSource
-    "rollout.rollout_fn": ("engine", "source", "tokenizer", "cfg", "scorer", "buffer", "seed"),  # loop.rollout
-    "rollout.generate_fn": ("engine", "prompts", "tokenizer", "params"),  # loop.generate
+    "rollout.rollout_fn": ("engine", "source", "tokenizer", "fns", "scorer", "buffer", "seed"),  # step.rollout
+    "rollout.generate_fn": ("engine", "prompts", "tokenizer", "params"),  # step.generate
     "rollout.dynamic_filter_fn": ("group",),  # algos/filters.py
     "rollout.buffer_filter_fn": ("buffer", "n"),  # algos/filters.py
     "reward.fn": ("response", "label", "metadata"),  # rewards/base.py RewardFn
-    "reward.group_fn": ("reward_fn", "responses", "label", "metadata"),  # rewards/base.py
+    "reward.group_fn": ("reward_fn", "responses"),  # rewards/base.py
     "reward.post_fn": ("samples", "group_size"),  # rewards/base.py
     "algo.advantage_fn": ("algo", "rewards", "mask", "group_size", "kl", "values"),  # algos/objective.py
     "algo.loss_fn": ("algo", "logprobs", "entropy", "mask", "extras"),  # algos/objective.py
     "algo.is_correction_fn": ("algo", "train_logprobs", "rollout_logprobs", "mask"),  # algos/objective.py
     "algo.sample_filter_fn": ("sample",),  # algos/filters.py
-    "evaluation.fn": ("engine", "prompts", "tokenizer", "reward_fn", "reward", "cfg", "generate_fn"),  # loop.evaluate
+    "evaluation.fn": ("engine", "prompts", "tokenizer", "fns"),  # step.evaluate
     "hooks.before_train_step": ("trainer", "samples", "iteration"),  # hooks.py
     "hooks.after_train_step": ("trainer", "metrics", "iteration"),
     "hooks.after_save": ("ckpt_dir", "iteration"),
@@ -71,3 +75,64 @@ def check_plugins(run_cfg) -> None:
     for field in PLUGPOINTS:
         section, name = field.split(".")
         plugin(getattr(run_cfg, section), section, name)
+
+
+# The plug-points each stage runs: the code its cache version must follow besides its own modules.
+STAGE_PLUGPOINTS: dict[str, tuple[str, ...]] = {
+    "rollout": ("data.source_fn", "rollout.rollout_fn", "rollout.generate_fn", "rollout.dynamic_filter_fn", "rollout.buffer_filter_fn",
+                "reward.fn", "reward.group_fn", "reward.post_fn"),  # dynamic sampling scores during the rollout
+    "score": ("reward.fn", "reward.group_fn", "reward.post_fn", "hooks.rollout_log"),
+    "train": ("algo.advantage_fn", "algo.loss_fn", "algo.is_correction_fn", "algo.sample_filter_fn",
+              "hooks.before_train_step", "hooks.after_train_step", "hooks.after_save"),
+    "evaluate": ("evaluation.fn", "rollout.generate_fn", "reward.fn", "reward.group_fn", "reward.post_fn"),
+}
+STAGE_PLUGPOINTS["async"] = tuple(dict.fromkeys(f for stage in ("rollout", "score", "train") for f in STAGE_PLUGPOINTS[stage]))
+
+
+def _source_file(module_name: str) -> Path | None:
+    """The .py file of a module, found without importing it (only its top-level package is located)."""
+    top, *rest = module_name.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None  # a compiled or built-in module: its version is the environment's
+    base = Path(spec.origin).parent if spec.origin.endswith("__init__.py") else Path(spec.origin).with_suffix("")
+    for candidate in (base.joinpath(*rest).with_suffix(".py"), base.joinpath(*rest, "__init__.py")) if rest else (Path(spec.origin),):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _source(module_name: str) -> str:
+    path = _source_file(module_name)
+    return path.read_text(encoding="utf-8") if path else ""
+
+
+def plugin_code(run_cfg, stage: str) -> str:
+    """Digest of the source of the plug-in modules outside miles_core that `stage` runs (the recipe's
+    own code: a changed loss function re-runs the train stage, and only it). miles_core's own modules
+    are in each task's static cache version (`code_closure`)."""
+    paths = sorted({getattr(getattr(run_cfg, f.split(".")[0]), f.split(".")[1]) for f in STAGE_PLUGPOINTS[stage]})
+    modules = sorted({p.partition(":")[0] for p in paths if not p.startswith("miles_core.")})
+    return hashlib.sha256(repr([(m, _source(m)) for m in modules]).encode()).hexdigest()[:12]
+
+
+def _imports(module_name: str, packages: tuple[str, ...]) -> set[str]:
+    """The modules of `packages` that module_name imports anywhere in its source (lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(_source(module_name))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import module`
+    return {m for m in found if m.split(".")[0] in packages and _source_file(m) is not None}
+
+
+def code_closure(module_name: str, packages: tuple[str, ...] = ("miles_core", "tasks", "containers")) -> str:
+    """Digest of the source of module_name and every module of `packages` it imports, transitively."""
+    seen, todo = set(), [module_name]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += sorted(_imports(name, packages) - seen)
+    return hashlib.sha256(repr([(m, _source(m)) for m in sorted(seen)]).encode()).hexdigest()[:12]

@@ -147,7 +147,7 @@ def check_batch(
 ) -> pd.DataFrame:
     """Validate a batch read from or written to `source`; raise BatchError naming what is wrong.
 
-    vocab_size: token ids must be below it (the tokenizer's len()); group_size: the batch must be whole groups."""
+    vocab_size: token ids must be below it (the model config's vocab_size: every id the model can emit); group_size: the batch must be whole groups."""
     schema = ScoredBatchSchema if scored else RolloutBatchSchema
     try:
         schema.validate(frame, lazy=True)

@@ -3,7 +3,7 @@
 On a cluster `RayJobConfig` asks KubeRay for a head and two worker groups: `rollout` (the
 rollout actors' engines) and `trainer` (the policy and its optimizer); locally the Ray plugin
 starts Ray in this process. The outputs are written under the run root like every other task's
-(checkpoint in the torch trainer's format, published policy, consumed batches, unconsumed buffer,
+(checkpoint in the trainer backend's format, published policy, consumed batches, unconsumed buffer,
 data state), so sync iterations and further phases can follow, and the task is cached: a phase
 killed at any moment re-runs from its inputs, the previous phase's outputs.
 """
@@ -22,11 +22,10 @@ from containers.images import cpu_image
 from miles_core.async_loop import PhaseSpec, run_phase
 from miles_core.config import AlgoConfig, AsyncConfig, DataConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, load_prompts
+from miles_core.models import vocab_size
 from miles_core.plugins import plugin
 from miles_core.schemas import read_batch, write_batch
 from miles_core.storage import artifact_path, atomic_dir
-from miles_core.train.torch_backend import TorchTrainer
-from miles_core.weights.publish import publish
 from tasks.common import AsyncPhaseResult, Checkpoint, Dataset, Policy, cache_version, lasting_dir, lasting_file
 
 RAY_CLUSTER = RayJobConfig(
@@ -41,11 +40,12 @@ RAY_CLUSTER = RayJobConfig(
 
 
 @task(task_config=RAY_CLUSTER, cache=True, container_image=cpu_image,
-      cache_version=cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, PublishConfig))
+      cache_version=cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, PublishConfig, module=__name__))
 def async_phase(cfg: AsyncConfig, rollout: RolloutConfig, data: DataConfig, reward: RewardConfig, algo: AlgoConfig, train: TrainConfig,
                 hooks: HooksConfig, publish_cfg: PublishConfig, ckpt: Checkpoint, policy: Policy, reference: Policy, dataset: Dataset,
-                state: DataState, buffer: Optional[FlyteFile], first_iteration: int, steps: int, root: str) -> AsyncPhaseResult:
-    waiting = read_batch(buffer.path, scored=True, reward_range=(reward.min, reward.max)) if buffer is not None else []
+                state: DataState, buffer: Optional[FlyteFile], first_iteration: int, steps: int, root: str, code: str) -> AsyncPhaseResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
+    batches = {"scored": True, "reward_range": (reward.min, reward.max), "vocab_size": vocab_size(policy.dir.path), "group_size": rollout.n_samples}
+    waiting = read_batch(buffer.path, **batches) if buffer is not None else []
     spec = PhaseSpec(
         cfg=cfg, rollout=rollout, reward=reward, algo=algo, train=train, hooks=hooks, source_fn=plugin(data, "data", "source_fn"), seed=data.seed,
         prompts=load_prompts(dataset.train.path, data.input_key, data.label_key, data.metadata_key), state=state,
@@ -54,18 +54,17 @@ def async_phase(cfg: AsyncConfig, rollout: RolloutConfig, data: DataConfig, rewa
         first_iteration=first_iteration, steps=steps,
     )
     out = artifact_path(root, "async", first_iteration, cfg, rollout, reward, algo, train, hooks, publish_cfg, ckpt.dir.path, policy.dir.path,
-                        state, buffer.path if buffer is not None else "", steps)
+                        state, buffer.path if buffer is not None else "", steps, code)
     with atomic_dir(out) as tmp:
-        result = run_phase(spec, str(tmp / "checkpoint"))
+        result = run_phase(spec, str(tmp / "checkpoint"), str(tmp / "policy"), publish_cfg.dtype)
         for i, batch in enumerate(result.consumed):
-            write_batch(batch, tmp / "batches" / f"step-{first_iteration + i:04d}.parquet", scored=True, reward_range=(reward.min, reward.max))
+            write_batch(batch, tmp / "batches" / f"step-{first_iteration + i:04d}.parquet", **batches)
         if result.buffer:
-            write_batch([s for g in result.buffer for s in g], tmp / "buffer.parquet", scored=True, reward_range=(reward.min, reward.max))
+            write_batch([s for g in result.buffer for s in g], tmp / "buffer.parquet", **batches)
         version = policy.version + steps
         ledger = {"state_before": dataclasses.asdict(state), "state_after": dataclasses.asdict(result.state), "dropped": result.dropped,
-                  "weight_versions": [version - steps, version], "metrics": result.metrics}
+                  "filtered": result.filtered, "weight_versions": [version - steps, version], "metrics": result.metrics}
         (tmp / "ledger.json").write_text(json.dumps(ledger, indent=1))  # where every drawn prompt ended, readable without Flyte
-        publish(TorchTrainer.load(str(tmp / "checkpoint"), train), str(tmp / "checkpoint"), tmp / "policy", publish_cfg.dtype, version, policy.version)
     print(f"async phase: steps {first_iteration + 1}-{first_iteration + steps}, {result.metrics['async/samples_per_s']:.1f} samples/s, "
           f"staleness mean {result.metrics['async/phase_staleness_mean']:.2f}, policy v{version}")
     return AsyncPhaseResult(

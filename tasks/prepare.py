@@ -16,14 +16,14 @@ from miles_core.storage import artifact_path, atomic_file, sha256_file
 from tasks.common import Dataset, Policy, cache_version, lasting_dir, lasting_file
 
 
-@task(cache=True, cache_version=cache_version(ModelConfig), container_image=cpu_image)
+@task(cache=True, cache_version=cache_version(ModelConfig, module=__name__), container_image=cpu_image)
 def build_model(cfg: ModelConfig, root: str) -> Policy:
     """The tiny base policy (HF directory) as version 0."""
     out = artifact_path(root, "base", 0, cfg)
     return Policy(dir=lasting_dir(build_tiny_model(cfg, str(out))), version=0)
 
 
-@task(cache=True, cache_version=cache_version(DataConfig), container_image=cpu_image)
+@task(cache=True, cache_version=cache_version(DataConfig, module=__name__), container_image=cpu_image)
 def make_data(cfg: DataConfig, root: str) -> Dataset:
     """The problem set's splits, or the user's prompt files checked row by row and copied in."""
     out = artifact_path(root, "data", 0, cfg)

@@ -1,114 +1,138 @@
-"""The tasks of one RL iteration: convert (once), rollout, score, train, publish, evaluate.
+"""The tasks of one RL iteration, for every trainer backend: convert (once), rollout, score, train, publish, evaluate.
 
-Each unpacks its typed inputs, calls one function of miles_core and returns typed outputs that
-point at artifacts under the run root.
+Each unpacks its typed inputs, calls miles_core (`step` over the plug-points `bind` resolves, the
+trainer `backends` that `train.backend` picks) and returns typed outputs that point at artifacts
+under the run root. `code` is the digest of the recipe's plug-in modules the task runs
+(`miles_core.plugins.plugin_code`): an input, so a changed plug-in re-runs exactly the tasks that run it.
+
+convert, train and publish run as kfpytorch `Elastic` tasks: their workers are fresh processes
+(torchrun semantics, one per GPU on a cluster; locally `start_method="fork"`, gloo on CPU), so a
+backend's process groups never live in the workflow's own process. Elastic returns rank 0's
+value. The train task's processes come from the recipe (`train_overrides`, applied by the workflow).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Optional
 
-from flytekit import task
+import torch
+from flytekit import Resources, task
 from flytekit.types.file import FlyteFile
+from flytekitplugins.kfpytorch import Elastic
 from transformers import AutoTokenizer
 
 from containers.images import cpu_image
-from miles_core import loop
-from miles_core.config import AlgoConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
+from miles_core.config import AlgoConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, RunConfig, TrainConfig
 from miles_core.data.source import DataState, load_prompts
-from miles_core.plugins import plugin
+from miles_core.models import vocab_size
+from miles_core.plugins import plugin, plugin_code
 from miles_core.rollout.engines import make_engine, weight_update_metrics
 from miles_core.schemas import read_batch, write_batch
+from miles_core.step import bind, groups_of, rollout_seed, score_batch, scorer_of
 from miles_core.storage import artifact_path, atomic_dir
-from miles_core.train.torch_backend import TorchTrainer
-from miles_core.weights.publish import copy_tokenizer, publish as publish_policy
-from tasks.common import BatchResult, load_critic, new_critic, rl_step, Checkpoint, Dataset, Policy, RolloutResult, TrainResult, cache_version, lasting_dir, lasting_file
+from miles_core.train.backends import convert_checkpoint, export_policy, train_checkpoint
+from tasks.common import BatchResult, Checkpoint, Dataset, Policy, RolloutResult, TrainResult, cache_version, lasting_dir, lasting_file
+
+ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork")
+LOCAL_RESOURCES = Resources(cpu="2", mem="8Gi")
+
+
+def distributed(train: TrainConfig) -> Elastic:
+    """The train task's processes: train.nnodes x train.nproc_per_node (data parallel on either backend; megatron also splits
+    tensors and layers). Locally the workers fork from the task's process; on a cluster each node is a pod."""
+    return Elastic(nnodes=train.nnodes, nproc_per_node=train.nproc_per_node, start_method="fork")
+
+
+def train_overrides(train: TrainConfig) -> dict:
+    """What the recipe decides about the train task's pods: processes per node and, on GPU nodes, GPUs."""
+    overrides = {"task_config": distributed(train)}
+    if train.gpus_per_node:
+        gpus = Resources(cpu=str(8 * train.gpus_per_node), mem=f"{64 * train.gpus_per_node}Gi", gpu=str(train.gpus_per_node))
+        overrides.update(requests=gpus, limits=gpus)
+    return overrides
+
+
+def _forked_worker() -> None:
+    # the worker is forked from a process whose OpenMP thread team already ran (libgomp is not fork-safe):
+    # a new team would deadlock, so the worker computes on its one thread (one process per core here)
+    torch.set_num_threads(1)
 
 
 def _prompts(dataset_file, data: DataConfig):
     return load_prompts(dataset_file.path, data.input_key, data.label_key, data.metadata_key)
 
 
-def _scorer(reward: RewardConfig, tokenizer, group_size: int):
-    return functools.partial(loop.score, reward_fn=loop.reward_fn_of(reward), tokenizer=tokenizer, cfg=reward, group_size=group_size)
-
-
-@task(cache=True, cache_version=cache_version(TrainConfig, AlgoConfig), container_image=cpu_image)
+@task(cache=True, cache_version=cache_version(TrainConfig, AlgoConfig, module=__name__), container_image=cpu_image, task_config=ONE_PROCESS, requests=LOCAL_RESOURCES)
 def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Checkpoint:
-    """Base HF checkpoint -> the trainer's checkpoint format (and a fresh critic for PPO)."""
+    """Base HF checkpoint -> the backend's checkpoint format (megatron: torch_dist, reshardable), and a fresh critic for PPO."""
+    _forked_worker()
     out = artifact_path(root, "checkpoint", 0, cfg, algo, policy.dir.path)
     with atomic_dir(out) as tmp:
-        TorchTrainer.from_hf(policy.dir.path, cfg).save(str(tmp))
-        new_critic(algo, cfg, policy.dir.path, tmp)
-        copy_tokenizer(policy.dir.path, tmp)
+        convert_checkpoint(cfg, algo, policy.dir.path, tmp)
     return Checkpoint(dir=lasting_dir(out), step=0)
 
 
-@task(cache=True, cache_version=cache_version(RolloutConfig, DataConfig, RewardConfig), container_image=cpu_image)
+@task(cache=True, cache_version=cache_version(RolloutConfig, DataConfig, RewardConfig, module=__name__), container_image=cpu_image)
 def rollout(cfg: RolloutConfig, data: DataConfig, reward: RewardConfig, policy: Policy, dataset: Dataset, state: DataState,
-            buffer: Optional[FlyteFile], iteration: int, root: str) -> RolloutResult:
+            buffer: Optional[FlyteFile], iteration: int, root: str, code: str) -> RolloutResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
+    fns = bind(rollout=cfg, reward=reward)
     source = plugin(data, "data", "source_fn")(_prompts(dataset.train, data), data.seed, state)
     tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)
-    waiting = read_batch(buffer.path, scored=True) if buffer is not None else []
-    groups = [waiting[i : i + cfg.n_samples] for i in range(0, len(waiting), cfg.n_samples)]
+    shape = {"vocab_size": vocab_size(policy.dir.path), "group_size": cfg.n_samples}
+    waiting = groups_of(read_batch(buffer.path, scored=True, **shape), cfg.n_samples) if buffer is not None else []
     engine = make_engine(cfg, policy.dir.path, policy.version)
-    samples, left, metrics = plugin(cfg, "rollout", "rollout_fn")(
-        engine, source, tokenizer, cfg, _scorer(reward, tokenizer, cfg.n_samples), groups, cfg.seed * 1_000_003 + iteration,
-    )
+    samples, left, metrics = fns.rollout_fn(engine, source, tokenizer, fns, scorer_of(fns, tokenizer), waiting, rollout_seed(cfg, iteration))
     metrics.update(weight_update_metrics(engine))
-    out = artifact_path(root, "rollout", iteration, cfg, reward, policy.dir.path, state, buffer.path if buffer else "", suffix=".parquet")
-    write_batch(samples, out)
-    left_file = write_batch([s for g in left for s in g], out.with_suffix(".buffer.parquet"), scored=True) if left else None
+    out = artifact_path(root, "rollout", iteration, cfg, reward, policy.dir.path, state, buffer.path if buffer else "", code, suffix=".parquet")
+    write_batch(samples, out, **shape)
+    left_file = write_batch([s for g in left for s in g], out.with_suffix(".buffer.parquet"), scored=True, **shape) if left else None
     return RolloutResult(batch=lasting_file(out), state=source.state, metrics=metrics, buffer=lasting_file(left_file) if left_file else None)
 
 
-@task(cache=True, cache_version=cache_version(RewardConfig, HooksConfig), container_image=cpu_image)
-def score(cfg: RewardConfig, hooks: HooksConfig, group_size: int, policy: Policy, batch: RolloutResult, iteration: int, root: str) -> BatchResult:
-    samples = read_batch(batch.batch.path)
-    metrics = _scorer(cfg, AutoTokenizer.from_pretrained(policy.dir.path), group_size)(samples)
-    metrics.update(plugin(hooks, "hooks", "rollout_log")(samples, {**batch.metrics, **metrics}, iteration))
-    out = artifact_path(root, "scored", iteration, cfg, hooks, batch.batch.path, suffix=".parquet")
-    write_batch(samples, out, scored=True, reward_range=(cfg.min, cfg.max))
+@task(cache=True, cache_version=cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__), container_image=cpu_image)
+def score(cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy: Policy, batch: RolloutResult, iteration: int, root: str, code: str) -> BatchResult:
+    shape = {"vocab_size": vocab_size(policy.dir.path), "group_size": rollout.n_samples}
+    samples = read_batch(batch.batch.path, **shape)
+    metrics = score_batch(samples, bind(rollout=rollout, reward=cfg, hooks=hooks), AutoTokenizer.from_pretrained(policy.dir.path), iteration, batch.metrics)
+    out = artifact_path(root, "scored", iteration, cfg, hooks, batch.batch.path, code, suffix=".parquet")
+    write_batch(samples, out, scored=True, reward_range=(cfg.min, cfg.max), **shape)
     return BatchResult(batch=lasting_file(out), metrics=metrics)
 
 
-@task(cache=True, cache_version=cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig), container_image=cpu_image)
+@task(cache=True, cache_version=cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, module=__name__), container_image=cpu_image,
+      task_config=distributed(TrainConfig()), requests=LOCAL_RESOURCES)
 def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: RolloutConfig, hooks: HooksConfig,
-          ckpt: Checkpoint, batch: BatchResult, reference: Policy, iteration: int, root: str) -> TrainResult:
-    samples = read_batch(batch.batch.path, scored=True, reward_range=(reward.min, reward.max))
-    trainer = TorchTrainer.load(ckpt.dir.path, cfg)
-    critic = load_critic(algo, cfg, ckpt.dir.path)
-    ref = TorchTrainer.from_hf(reference.dir.path, cfg) if algo.kl_coef > 0 else None
-    pad_id = AutoTokenizer.from_pretrained(ckpt.dir.path).pad_token_id
-    metrics = rl_step(trainer, samples, algo, rollout, hooks, pad_id, ref, critic, iteration)
-    out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, ckpt.dir.path, batch.batch.path)
-    with atomic_dir(out) as tmp:
-        trainer.save(str(tmp))
-        if critic is not None:
-            critic.save(str(tmp / "critic"))
-        copy_tokenizer(ckpt.dir.path, tmp)
-    plugin(hooks, "hooks", "after_save")(str(out), iteration)
-    return TrainResult(ckpt=Checkpoint(dir=lasting_dir(out), step=trainer.step), metrics=metrics)
+          ckpt: Checkpoint, batch: BatchResult, reference: Policy, iteration: int, root: str, code: str) -> TrainResult:
+    """One RL step on every process (each trains its data-parallel rows); rank 0's result is the task's."""
+    _forked_worker()
+    samples = read_batch(batch.batch.path, scored=True, reward_range=(reward.min, reward.max), vocab_size=vocab_size(reference.dir.path),
+                         group_size=rollout.n_samples)
+    out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, ckpt.dir.path, batch.batch.path, code)
+    step, metrics = train_checkpoint(cfg, bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks), ckpt.dir.path, samples, reference.dir.path, out, iteration)
+    return TrainResult(ckpt=Checkpoint(dir=lasting_dir(out), step=step), metrics=metrics)
 
 
-@task(cache=True, cache_version=cache_version(PublishConfig, TrainConfig), container_image=cpu_image)
+@task(cache=True, cache_version=cache_version(PublishConfig, TrainConfig, module=__name__), container_image=cpu_image, task_config=ONE_PROCESS, requests=LOCAL_RESOURCES)
 def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent: Policy, root: str) -> Policy:
-    """Export the checkpoint as the next policy version (HF safetensors + lineage manifest)."""
+    """Export the checkpoint (any parallel sizes) as the next policy version (HF safetensors + lineage manifest)."""
+    _forked_worker()
     version = parent.version + 1
     out = artifact_path(root, "policy", version, cfg, ckpt.dir.path)
-    publish_policy(TorchTrainer.load(ckpt.dir.path, train_cfg), ckpt.dir.path, out, cfg.dtype, version, parent.version)
+    export_policy(train_cfg, ckpt.dir.path, out, cfg.dtype, version, parent.version)
     return Policy(dir=lasting_dir(out), version=version)
 
 
-@task(cache=True, cache_version=cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig), container_image=cpu_image)
-def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: RolloutConfig, policy: Policy, dataset: Dataset) -> dict[str, float]:
+@task(cache=True, cache_version=cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig, module=__name__), container_image=cpu_image)
+def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: RolloutConfig, policy: Policy, dataset: Dataset, code: str) -> dict[str, float]:
     """Held-out evaluation of a policy version (evaluation.fn, greedy accuracy by default)."""
     engine = make_engine(rollout, policy.dir.path, policy.version, max_batch_sequences=cfg.batch_size)
-    tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)
-    metrics = plugin(cfg, "evaluation", "fn")(
-        engine, _prompts(dataset.test, data), tokenizer, loop.reward_fn_of(reward), reward, cfg, generate_fn=loop.generate_fn_of(rollout),
-    )
+    fns = bind(rollout=rollout, reward=reward, evaluation=cfg)
+    metrics = fns.evaluate_fn(engine, _prompts(dataset.test, data), AutoTokenizer.from_pretrained(policy.dir.path), fns)
     print(f"evaluate: policy v{policy.version}: held-out accuracy {metrics['eval/accuracy']:.3f}")
     return metrics
+
+
+@task(container_image=cpu_image)
+def stage_code(cfg: RunConfig, stage: str) -> str:
+    """`plugin_code` as a task, for the workflow's static part (the loop computes it in place); never cached."""
+    return plugin_code(cfg, stage)

@@ -15,7 +15,7 @@ from miles_core.weights.publish import publish
 from tasks.common import Dataset, Policy, cache_version, lasting_dir
 
 
-@task(cache=True, cache_version=cache_version(SFTConfig, DataConfig), container_image=cpu_image)
+@task(cache=True, cache_version=cache_version(SFTConfig, DataConfig, module=__name__), container_image=cpu_image)
 def sft(cfg: SFTConfig, data: DataConfig, base: Policy, dataset: Dataset, root: str) -> Policy:
     """SFT on the train split's demonstrations; the result is published as the next version."""
     tokenizer = AutoTokenizer.from_pretrained(base.dir.path)

@@ -12,21 +12,21 @@ torchrun) and prints one JSON line; tests/*/test_megatron*.py and test_checkpoin
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from miles_core import loop
-from miles_core.config import AlgoConfig, ModelConfig, TrainConfig
+from miles_core.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.models.tiny import build_tiny_model
 from miles_core.samples import Sample
+from miles_core.step import bind, optimize
 from miles_core.train.base import pack
 
-TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, num_experts=4, moe_top_k=2, moe_intermediate_size=32)
+TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128, "num_experts": 4, "moe_top_k": 2, "moe_intermediate_size": 32}
 ALGO = AlgoConfig()
+FNS = bind(algo=ALGO, rollout=RolloutConfig(n_samples=4, temperature=1.0))  # groups of 4 (samples())
 
 
 def samples(n: int = 8) -> list[Sample]:
@@ -87,7 +87,7 @@ def step(ckpt: str, tp: int, ep: int, out: str, pp: int = 1) -> dict:
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     trainer = MegatronTrainer.load(ckpt, train_cfg(tp, ep, world, pp))
     before = batch_loss(trainer)
-    metrics = loop.train(trainer, samples(), ALGO, 4, 1.0, 0)
+    metrics = optimize(trainer, samples(), FNS, 0)
     trainer.save(out)
     after = batch_loss(trainer)
     hits = [None] * dist.get_world_size()
@@ -105,12 +105,12 @@ def resume(ckpt: str, out: str) -> dict:
     cfg = train_cfg(world=int(__import__("os").environ.get("WORLD_SIZE", "1")))
     straight = MegatronTrainer.load(ckpt, cfg)
     for _ in range(2):
-        loop.train(straight, samples(), ALGO, 4, 1.0, 0)
+        optimize(straight, samples(), FNS, 0)
     first = MegatronTrainer.load(ckpt, cfg)
-    loop.train(first, samples(), ALGO, 4, 1.0, 0)
+    optimize(first, samples(), FNS, 0)
     first.save(out)
     resumed = MegatronTrainer.load(out, cfg)
-    loop.train(resumed, samples(), ALGO, 4, 1.0, 0)
+    optimize(resumed, samples(), FNS, 0)
     return {"straight": batch_loss(straight), "resumed": batch_loss(resumed), "steps": [straight.step, resumed.step], "rank": dist.get_rank()}
 
 
@@ -141,7 +141,7 @@ def replay(ckpt: str) -> dict:
         return logprobs
 
     _, before = recorded()
-    loop.train(trainer, samples(), ALGO, 4, 1.0, 0)
+    optimize(trainer, samples(), FNS, 0)
     after_logprobs, after = recorded()
     return {
         "micro_batches": len(after), "layers": len(after[0]), "shape": list(after[0][0].shape),

@@ -16,57 +16,61 @@ from containers.images import cpu_image
 from miles_core.async_loop import phase_plan
 from miles_core.config import RunConfig
 from miles_core.data.source import DataState
+from miles_core.plugins import STAGE_PLUGPOINTS, plugin_code
+from tasks.async_phase import async_phase
 from tasks.common import Dataset, Policy, Tracking
 from tasks.prepare import build_model, make_data
-from tasks import megatron
-from tasks.rl import convert, evaluate, publish, rollout, score, train
+from tasks.rl import convert, evaluate, publish, rollout, score, stage_code, train, train_overrides
 from tasks.sft import sft
 from tasks.tracking import Report, finish_run, log_iteration, log_phase, start_run
-from tasks.async_phase import async_phase
 
-LoopResult = NamedTuple("LoopResult", [("policy", Policy), ("evaluation", dict[str, float])])
+
+class LoopResult(NamedTuple):
+    policy: Policy
+    evaluation: dict[str, float]
 
 
 @dynamic(container_image=cpu_image)
 def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> LoopResult:
     """N iterations, sync or in async phases (async_phase.schedule); returns the final policy and its held-out evaluation."""
     root, policy, state, buffer = cfg.run_root, start, DataState(), None
-    on_megatron = cfg.train.backend == "megatron"  # the same stages as distributed megatron-core tasks
-    convert_task, train_task, publish_task = (megatron.convert, megatron.train, megatron.publish) if on_megatron else (convert, train, publish)
-    ckpt = convert_task(cfg=cfg.train, algo=cfg.algo, policy=start, root=root)
+    code = {stage: plugin_code(cfg, stage) for stage in STAGE_PLUGPOINTS}  # the recipe's plug-in sources, per stage
+    ckpt = convert(cfg=cfg.train, algo=cfg.algo, policy=start, root=root)
     evaluation = {}
     for it, async_steps, due in phase_plan(cfg.iterations, cfg.async_phase, cfg.evaluation.interval):  # (it, 0, _): one sync iteration
         if async_steps:  # an async phase of K steps on Ray; its buffer and data state feed what follows
             phase = async_phase(
                 cfg=cfg.async_phase, rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, algo=cfg.algo, train=cfg.train, hooks=cfg.hooks,
                 publish_cfg=cfg.publish, ckpt=ckpt, policy=policy, reference=start, dataset=dataset, state=state, buffer=buffer,
-                first_iteration=it, steps=async_steps, root=root,
+                first_iteration=it, steps=async_steps, root=root, code=code["async"],
             )
-            evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=phase.policy, dataset=dataset) if due else {}
+            evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=phase.policy, dataset=dataset,
+                                  code=code["evaluate"]) if due else {}
             log_phase(run=run, first_iteration=it, phase=phase, evaluation=evaluation)
             ckpt, policy, state, buffer = phase.ckpt, phase.policy, phase.state, phase.buffer
             continue
-        batch = rollout(cfg=cfg.rollout, data=cfg.data, reward=cfg.reward, policy=policy, dataset=dataset, state=state, buffer=buffer, iteration=it, root=root)
-        scored = score(cfg=cfg.reward, hooks=cfg.hooks, group_size=cfg.rollout.n_samples, policy=policy, batch=batch, iteration=it, root=root)
-        trained = train_task(
+        batch = rollout(cfg=cfg.rollout, data=cfg.data, reward=cfg.reward, policy=policy, dataset=dataset, state=state, buffer=buffer, iteration=it,
+                        root=root, code=code["rollout"])
+        scored = score(cfg=cfg.reward, hooks=cfg.hooks, rollout=cfg.rollout, policy=policy, batch=batch, iteration=it, root=root, code=code["score"])
+        trained = train(
             algo=cfg.algo, cfg=cfg.train, reward=cfg.reward, rollout=cfg.rollout, hooks=cfg.hooks,
-            ckpt=ckpt, batch=scored, reference=start, iteration=it, root=root,
-        )
-        if on_megatron:
-            trained.with_overrides(**megatron.train_overrides(cfg.train))
-        policy = publish_task(cfg=cfg.publish, train_cfg=cfg.train, ckpt=trained.ckpt, parent=policy, root=root)
-        evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset) if due else {}
+            ckpt=ckpt, batch=scored, reference=start, iteration=it, root=root, code=code["train"],
+        ).with_overrides(**train_overrides(cfg.train))
+        policy = publish(cfg=cfg.publish, train_cfg=cfg.train, ckpt=trained.ckpt, parent=policy, root=root)
+        evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset,
+                              code=code["evaluate"]) if due else {}
         log_iteration(run=run, iteration=it, rollout=batch.metrics, score=scored.metrics, train=trained.metrics, evaluation=evaluation, policy=policy)
         ckpt, state, buffer = trained.ckpt, batch.state, batch.buffer
     return policy, evaluation
 
 
 @workflow
-def rl(cfg: RunConfig = RunConfig()) -> Report:
+def rl(cfg: RunConfig = RunConfig()) -> Report:  # noqa: B008 (the workflow's default input, frozen)
     base = build_model(cfg=cfg.model, root=cfg.run_root)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
-    before = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=start, dataset=dataset)
+    before = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=start, dataset=dataset,
+                      code=stage_code(cfg=cfg, stage="evaluate"))
     run = start_run(cfg=cfg, dataset=dataset, start=start, evaluation=before)
     final = rl_loop(cfg=cfg, start=start, dataset=dataset, run=run)
     return finish_run(run=run, before=before, after=final.evaluation, policy=final.policy, root=cfg.run_root)

@@ -21,7 +21,7 @@ class RewardConfig:
     fn: str = "miles_core.rewards.math:integer_answer"  # plug-point: fn(response, label, metadata)
     min: float = 0.0
     max: float = 1.0
-    group_fn: str = "miles_core.rewards.base:each_sample"  # plug-point: group_fn(reward_fn, responses, label, metadata)
+    group_fn: str = "miles_core.rewards.base:each_sample"  # plug-point: group_fn(reward_fn, responses)
     post_fn: str = "miles_core.rewards.base:no_post_processing"  # plug-point: post_fn(samples, group_size)
     fallback: float = 0.0  # the reward of a sample whose reward function failed (clamped into [min, max])
     default_type: str = "math"  # rewards.hub:by_metadata's type when metadata has no reward_type

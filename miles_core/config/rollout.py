@@ -87,14 +87,14 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 8
     seed: int = 0
-    generate_fn: str = "miles_core.loop:generate"  # plug-point: generate(engine, prompts, tokenizer, params)
+    generate_fn: str = "miles_core.step:generate"  # plug-point: generate(engine, prompts, tokenizer, params)
     # sampling control (DAPO dynamic sampling): keep generating until prompts_per_step groups pass
     # the filter, at most max_rounds rounds; each round asks for over_sample x the missing groups;
     # groups beyond the batch wait in a buffer for the next step
     dynamic_sampling: bool = False
     over_sample: float = 1.0
     max_rounds: int = 4
-    rollout_fn: str = "miles_core.loop:rollout"  # plug-point: rollout(engine, source, tokenizer, cfg, scorer, buffer, seed)
+    rollout_fn: str = "miles_core.step:rollout"  # plug-point: rollout(engine, source, tokenizer, fns, scorer, buffer, seed)
     dynamic_filter_fn: str = "miles_core.algos.filters:nonzero_reward_std"  # plug-point: filter(group)
     buffer_filter_fn: str = "miles_core.algos.filters:oldest_first"  # plug-point: take(buffer, n)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # used when engine is sglang

@@ -69,8 +69,6 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"must be >= rollout.prompts_per_step ({c.rollout.prompts_per_step}): the trainer takes that many groups per step"),
     Rule("async_phase.schedule", _async, lambda c: c.algo.advantage != "ppo",
          lambda c: "async phases do not train a critic yet: use a critic-free estimator or schedule: sync"),
-    Rule("async_phase.schedule", _async, lambda c: not c.rollout.dynamic_sampling,
-         lambda c: "async phases do not run dynamic sampling (rollout.dynamic_sampling)"),
     Rule("async_phase.rollout_workers", lambda c: _async(c) and c.rollout.engine == "sglang" and bool(c.rollout.sglang.urls.strip()),
          lambda c: c.async_phase.rollout_workers == 1,
          lambda c: "attached SGLang servers (rollout.sglang.urls) take weights from one rollout actor: set 1, or let each actor launch its own servers"),

@@ -20,23 +20,25 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batch_size: int = 128
     seed: int = 0
-    # megatron backend (megatron-core): parallel sizes; data parallel = nproc_per_node / (tensor x pipeline)
+    # megatron backend (megatron-core): parallel sizes; data parallel = nnodes x nproc_per_node / (tensor x pipeline)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     expert_parallel: int = 1  # MoE experts split over this many data-parallel ranks
-    nproc_per_node: int = 2  # processes of the distributed train task (one per GPU on a GPU node)
+    nnodes: int = 1  # nodes (pods) of the distributed train task
+    nproc_per_node: int = 2  # processes of the distributed train task per node (one per GPU on a GPU node)
     megatron_dtype: str = "float32"  # float32 | bfloat16 (parameters and compute; grads reduced in fp32)
     gpus_per_node: int = 0  # GPUs requested by the distributed train task's pods (0 = CPU)
 
     def __post_init__(self):
         check_finite(self, "train")
         _check(self.backend in ("torch", "megatron"), "train.backend", f"unknown backend {self.backend!r} (available: torch, megatron)")
-        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "nproc_per_node"):
+        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "nnodes", "nproc_per_node"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _check(self.gpus_per_node in (0, self.nproc_per_node), "train.gpus_per_node", f"must be 0 (CPU) or nproc_per_node={self.nproc_per_node} (one process per GPU)")
         model_parallel = self.tensor_parallel * self.pipeline_parallel
         _check(self.nproc_per_node % model_parallel == 0, "train.nproc_per_node", f"must be a multiple of tensor_parallel x pipeline_parallel = {model_parallel}")
-        _check((self.nproc_per_node // model_parallel) % self.expert_parallel == 0, "train.expert_parallel", "must divide the data-parallel size (nproc_per_node / (tensor x pipeline))")
+        data_parallel = self.nnodes * self.nproc_per_node // model_parallel
+        _check(data_parallel % self.expert_parallel == 0, "train.expert_parallel", "must divide the data-parallel size (nnodes x nproc_per_node / (tensor x pipeline))")
         _check(self.megatron_dtype in ("float32", "bfloat16"), "train.megatron_dtype", f"must be float32 or bfloat16, got {self.megatron_dtype!r}")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(self.grad_clip > 0, "train.grad_clip", "must be > 0")
@@ -54,7 +56,7 @@ class EvalConfig:
     interval: int = 5  # evaluate every k iterations (and at the end)
     max_new_tokens: int = 8
     batch_size: int = 256
-    fn: str = "miles_core.loop:evaluate"  # plug-point: fn(engine, prompts, tokenizer, reward_fn, reward, cfg, generate_fn)
+    fn: str = "miles_core.step:evaluate"  # plug-point: fn(engine, prompts, tokenizer, fns)
 
     def __post_init__(self):
         for name in ("interval", "max_new_tokens", "batch_size"):

@@ -95,21 +95,21 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
 def _model_config(cfg: ModelConfig, tokenizer) -> transformers.PretrainedConfig:
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=pad_id,  # as in Qwen: <|endoftext|> doubles as bos, never prepended
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        dtype="float32",
-    )
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "bos_token_id": pad_id,  # as in Qwen: <|endoftext|> doubles as bos, never prepended
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "dtype": "float32",
+    }
     if cfg.arch == "qwen2":
         return transformers.Qwen2Config(**common)
     if cfg.arch in _MORE_ARCHS:
@@ -162,26 +162,3 @@ def build_tiny_model(cfg: ModelConfig, out_dir: str) -> str:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return str(out_dir)
-
-
-def _as_ids(encoded) -> list[int]:
-    # transformers 5 returns a BatchEncoding from apply_chat_template; older versions a list.
-    if hasattr(encoded, "keys") and "input_ids" in encoded:
-        encoded = encoded["input_ids"]
-    if hasattr(encoded, "tolist"):
-        encoded = encoded.tolist()
-    if encoded and isinstance(encoded[0], list):
-        encoded = encoded[0]
-    return [int(i) for i in encoded]
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of the chat-templated user turn followed by the assistant generation prompt."""
-    messages = [{"role": "user", "content": text}]
-    return _as_ids(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
-
-
-def demonstration_tokens(tokenizer, response: str) -> list[int]:
-    """Token ids the model must generate after `encode_prompt`: the response, then `<|im_end|>`."""
-    ids = tokenizer.encode(response, add_special_tokens=False)
-    return [int(i) for i in ids] + [int(tokenizer.convert_tokens_to_ids(IM_END))]

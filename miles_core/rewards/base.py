@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class RewardFn(Protocol):
@@ -22,15 +22,24 @@ class RewardFn(Protocol):
     def __call__(self, response: str, label: str, metadata: dict) -> float: ...
 
 
-def each_sample(reward_fn: RewardFn, responses: list[str], label: str, metadata: dict) -> list[float]:
+class Response(NamedTuple):
+    """One response of a group, with the label and metadata of the prompt row it answers."""
+
+    text: str  # decoded, special tokens skipped, without the prompt
+    label: str
+    metadata: dict
+
+
+def each_sample(reward_fn: RewardFn, responses: list[Response]) -> list[float]:
     """Default of the `reward.group_fn` plug-point: scores a prompt's group of responses at once.
 
-    `group_fn(reward_fn, responses, label, metadata) -> list[float]`, one reward per response,
-    in order; `reward_fn` is the configured `reward.fn`. A group function sees all responses to
-    one prompt (e.g. to rank them, or to reward diversity); this default scores each alone.
-    A failure of the whole call scores every response of the group `reward.min`.
+    `group_fn(reward_fn, responses) -> list[float]`, one reward per response, in order; each
+    response is a `Response(text, label, metadata)` scored against its own label and metadata;
+    `reward_fn` is the configured `reward.fn`. A group function sees all responses to one prompt
+    (e.g. to rank them, or to reward diversity); this default scores each alone. A failure of
+    the whole call scores every response of the group `reward.fallback`.
     """
-    return [reward_fn(r, label, metadata) for r in responses]
+    return [reward_fn(r.text, r.label, r.metadata) for r in responses]
 
 
 def no_post_processing(samples: list, group_size: int) -> None:
@@ -38,5 +47,6 @@ def no_post_processing(samples: list, group_size: int) -> None:
 
     `post_fn(samples, group_size) -> None` may rewrite `sample.reward` in place after scoring
     (e.g. a length penalty, or DAPO's overlong shaping); samples come in groups of `group_size`.
-    Results are clamped to [reward.min, reward.max] afterwards.
+    Results outside [reward.min, reward.max] are clamped afterwards, each named in a warning and counted
+    (metric reward/out_of_range).
     """

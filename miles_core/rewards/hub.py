@@ -17,20 +17,26 @@ response's *final turn*: in a multi-turn response (rollout/multi_turn.py) the te
   recipe's endpoints by name and never supplies an address.
 * `by_metadata`: picks one of the above by `metadata["reward_type"]` (default reward.default_type).
 
-A failure (unknown type, remote model down) raises; `loop.score` records it and scores
-reward.fallback.
+A failure (unknown type, remote model down) raises; `step.score` records it and scores
+reward.fallback, except `RemoteRewardUnavailable` (the endpoint's circuit breaker is open), which
+fails the step. `batched` gives `step.score` the remote model's rewards of a whole batch at once,
+within reward.remote_batch_timeout_s.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import string
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import regex  # time-limited matching (a dependency of transformers)
 
 from miles_core.config import RewardConfig
+from miles_core.rewards.base import Response
 from miles_core.rewards.math import integer_answer, last_boxed, verified
-from miles_core.rewards.remote import RemotePolicy, remote_reward
+from miles_core.rewards.remote import RemotePolicy, remote_reward, remote_rewards
 
 _LAST_ASSISTANT = "\nassistant\n"  # how a tool turn ends, once special tokens are stripped
 
@@ -122,6 +128,43 @@ def remote_url_for(metadata: dict, cfg: RewardConfig) -> str:
 def remote(response: str, label: str, metadata: dict, reward_cfg: RewardConfig | None = None) -> float:
     cfg = reward_cfg or RewardConfig()
     return remote_reward(remote_url_for(metadata, cfg), final_turn(response), label, metadata, remote_policy(cfg))
+
+
+def batched(reward_fn: Callable, responses: list[Response], cfg: RewardConfig) -> Callable:
+    """reward_fn as the group functions call it. For `remote` (reward.fn: ...hub:remote), every
+    response's reward is fetched first, reward.remote_concurrency at a time and all within
+    reward.remote_batch_timeout_s (`remote_rewards`), each distinct request once, and the returned
+    function answers from those; a failed sample's call raises its error. Any other reward_fn is
+    returned as it is."""
+    if getattr(reward_fn, "func", reward_fn) is not remote:
+        return reward_fn
+    fetched: dict[tuple, float | Exception] = {}
+    by_url: dict[str, dict[tuple, tuple]] = collections.defaultdict(dict)  # url -> {request key: (response, label, metadata)}
+    for r in responses:
+        key = _request_key(r.text, r.label, r.metadata)
+        try:
+            by_url[remote_url_for(r.metadata, cfg)][key] = (final_turn(r.text), r.label, r.metadata)
+        except ValueError as err:
+            fetched[key] = err
+    with ThreadPoolExecutor(max(len(by_url), 1)) as pool:  # every endpoint at once: the batch's deadline is one for all of them
+        results = pool.map(lambda requests: remote_rewards(requests[0], list(requests[1].values()), remote_policy(cfg), cfg.remote_batch_timeout_s),
+                           by_url.items())
+        for (_, requests), rewards in zip(by_url.items(), results):
+            fetched.update(zip(requests, rewards))
+
+    def answer(response: str, label: str, metadata: dict) -> float:
+        result = fetched.get(_request_key(response, label, metadata))
+        if result is None:  # a group function asked about a response it was not given
+            return reward_fn(response, label, metadata)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    return answer
+
+
+def _request_key(response: str, label: str, metadata: dict) -> tuple:
+    return final_turn(response), str(label), json.dumps(metadata, sort_keys=True, default=str)
 
 
 REWARDS = {

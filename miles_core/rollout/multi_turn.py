@@ -1,13 +1,14 @@
 """Multi-turn generation with tools: a second implementation of the `rollout.generate_fn` plug-point.
 
-The conversation is ChatML. The model writes an assistant turn, ended by `<|im_end|>` as usual.
+The conversation is rendered by the tokenizer's chat template (miles_core/chat.py; ChatML for the
+tiny models). The model writes an assistant turn, ended by its end of turn token as usual.
 If that turn holds a tool call, written as
 
     <tool>NAME
     ARGUMENT</tool>
 
 (NAME one of rollout.multi_turn.tools; the first call of a turn counts), the tool runs and its
-output is appended as a tool turn, then a new assistant turn opens:
+output is appended as a tool turn (`chat.tool_turn_tokens`), then a new assistant turn opens; in ChatML:
 
     <|im_end|>  \\n<|im_start|>tool\\nOUTPUT<|im_end|>\\n<|im_start|>assistant\\n   (tool tokens)
 
@@ -32,9 +33,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from miles_core.chat import prompt_tokens, tool_turn_tokens
 from miles_core.config import MultiTurnConfig, RolloutConfig
 from miles_core.data.source import Prompt
-from miles_core.models.tiny import IM_END, IM_START, demonstration_tokens, encode_prompt
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, RolloutEngine, SamplingParams
 from miles_core.samples import Sample
 from miles_core.tools import TOOLS
@@ -47,21 +48,6 @@ def parse_tool_call(text: str) -> tuple[str, str] | None:
     """(tool name, argument) of the first tool call in an assistant turn's text, else None."""
     match = TOOL_CALL.search(text)
     return (match.group(1), match.group(2)) if match else None
-
-
-def tool_turn_tokens(tokenizer, output: str) -> list[int]:
-    """Token ids closing the model's turn and holding a tool's output, up to the next assistant turn.
-
-    `\\n<|im_start|>tool\\nOUTPUT<|im_end|>\\n<|im_start|>assistant\\n`; special-token text inside
-    OUTPUT is encoded as plain bytes.
-    """
-    start, end = tokenizer.convert_tokens_to_ids(IM_START), tokenizer.convert_tokens_to_ids(IM_END)
-
-    def text(s: str) -> list[int]:
-        return tokenizer(s, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-
-    output = output.encode("utf-8", "replace").decode("utf-8")  # unpaired surrogates become '?': the tokenizer takes only UTF-8
-    return [*text("\n"), start, *text("tool\n"), *text(output), end, *text("\n"), start, *text("assistant\n")]
 
 
 @dataclass
@@ -155,7 +141,7 @@ def _take_turn(active: list[Conversation], generations, tokenizer, settings: Mul
 
 
 def generate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, params: SamplingParams, rollout_cfg: RolloutConfig | None = None) -> tuple[list[Sample], dict]:
-    """Plug-point `rollout.generate_fn` (signature of `miles_core.loop.generate`), multi-turn with tools.
+    """Plug-point `rollout.generate_fn` (signature of `miles_core.step.generate`), multi-turn with tools.
 
     `rollout_cfg.multi_turn` holds the turn and tool settings (defaults when not given);
     params.max_new_tokens caps each assistant turn. Returns params.n samples per prompt, grouped
@@ -164,7 +150,7 @@ def generate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, params: Sa
     started = time.perf_counter()
     settings = rollout_cfg.multi_turn if rollout_cfg is not None else MultiTurnConfig()
     allowed, limits = _tools_of(settings), _limits(settings)
-    convs = [Conversation(p, i, encode_prompt(tokenizer, p.text)) for p in prompts for i in range(params.n)]
+    convs = [Conversation(p, i, prompt_tokens(tokenizer, p.text)) for p in prompts for i in range(params.n)]
     tool_seconds = 0.0
     with ThreadPoolExecutor(settings.tool_workers) as pool:
         for turn in range(settings.max_turns):
@@ -202,21 +188,3 @@ def _metrics(samples: list[Sample], seconds: float, tool_seconds: float) -> dict
         "time/tools_s": tool_seconds,
         "time/rollout_s": seconds,
     }
-
-
-def conversation_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """A demonstration conversation after the prompt -> (response tokens, loss mask).
-
-    `messages` alternate {"role": "assistant" | "tool", "content": text}; assistant turns are
-    encoded as the model should write them (text + `<|im_end|>`, mask 1), tool turns exactly as
-    `generate` appends them (mask 0), so SFT and rollout see the same token layout.
-    """
-    tokens, mask = [], []
-    for number, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if role not in ("assistant", "tool") or not isinstance(content, str):
-            raise ValueError(f"demonstration message {number}: expected role assistant|tool and text content, got {message!r}")
-        turn = demonstration_tokens(tokenizer, content) if role == "assistant" else tool_turn_tokens(tokenizer, content)
-        tokens += turn
-        mask += [int(role == "assistant")] * len(turn)
-    return tokens, mask

@@ -1,19 +1,29 @@
-"""The Trainer protocol and the packing of samples into padded tensors, shared by every backend.
+"""The Trainer protocol, the mini-batch loop every backend shares, and the packing of samples.
 
 A trainer owns the policy being optimised and its optimizer state.  The RL and SFT steps in
-`miles_core.loop` / `miles_core.train.sft` are written against this protocol only, so a backend
-(torch now, megatron-core at scale) supplies forward log-probs and an optimizer step, never a loss.
+`miles_core.step` / `miles_core.train.sft` are written against the `Trainer` protocol only.
+`TrainerBase` holds what is the same for every backend: the mini-batch loop of `train_on` (the
+aggregation weights of each whole mini-batch, the learning-rate schedule, optimizer steps,
+metrics) and the atomic checkpoint directory.  A backend (torch, megatron-core) supplies only
+what differs: building and loading its model, forward log-probs, the backward pass of one
+mini-batch, the optimizer step, saving, exporting HF weights, and how its processes agree.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from miles_core.algos.losses import loss_weights
 from miles_core.samples import Sample
+from miles_core.weights.publish import copy_tokenizer
 
 # loss_fn(logprobs [b, T], entropy [b, T], mask [b, T], extras {name: [b, ...]}) ->
 #   (per-token loss [b, T], {metric name: per-token values [b, T]})
@@ -35,7 +45,7 @@ class PackedBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, rows: slice) -> "PackedBatch":
+    def select(self, rows: slice) -> PackedBatch:
         return PackedBatch(*(t[rows] for t in self.__dict__.values()))
 
 
@@ -77,3 +87,93 @@ class Trainer(Protocol):
 
     def export_hf(self, out_dir: str, dtype: str) -> None:
         """The policy as an ordinary HF safetensors directory (weights + config)."""
+
+    def save_atomically(self, out_dir: str | Path, tokenizer_dir: str, also: Callable[[Path], None] | None = None) -> None:
+        """`save` into a temporary sibling renamed into place when complete, with the tokenizer; `also(tmp)` adds files."""
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights under HF names (what a rollout engine loads in memory)."""
+
+
+class TrainerBase:
+    """The shared half of every backend; a subclass supplies the methods that raise NotImplementedError."""
+
+    cfg: TrainConfig  # noqa: F821 (miles_core.config.TrainConfig)
+    step: int
+    optimizer: torch.optim.Optimizer
+
+    # what a backend supplies ----------------------------------------------------------------------
+    def _backward(self, mini: PackedBatch, weights: torch.Tensor, extras: dict, loss_fn: LossFn, temperature: float) -> dict[str, torch.Tensor | float]:
+        """Gradients of sum(weights * per-token loss) over the mini-batch (weights [b, T]); returns
+        {metric: sum over this process's tokens of metric * loss mask} (loss and entropy included)."""
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> float:
+        """Clip, step; returns the gradient norm before clipping."""
+        raise NotImplementedError
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _totals(self, sums: dict, tokens: float) -> dict[str, float]:
+        """Per-token means over the whole batch (a distributed backend sums over its processes first)."""
+        return {k: float(v) / max(tokens, 1.0) for k, v in sums.items()}
+
+    def _check_batch(self, batch: PackedBatch) -> None:
+        pass
+
+    def _is_writer(self) -> bool:
+        return True  # the process that writes shared files (rank 0)
+
+    def _barrier(self) -> None:
+        pass
+
+    # the shared loop ------------------------------------------------------------------------------
+    def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights) -> dict[str, float]:
+        """cfg.mini_batches optimizer steps over the batch; each mini-batch's loss is
+        sum(weights_fn(its loss mask) * loss_fn(...)), its weights computed over the whole mini-batch
+        before any split, so the aggregation depends neither on micro-batching nor on sharding."""
+        self._check_batch(batch)
+        started, sums, grad_norms = time.perf_counter(), {}, []
+        mini = -(-len(batch) // self.cfg.mini_batches)
+        for m_start in range(0, len(batch), mini):
+            rows = slice(m_start, min(m_start + mini, len(batch)))
+            weights = weights_fn(batch.loss_mask[rows])  # [b_mini, T]
+            self._set_lr(lr)
+            self._zero_grad()
+            for name, value in self._backward(batch.select(rows), weights, {k: v[rows] for k, v in extras.items()}, loss_fn, temperature).items():
+                sums[name] = sums.get(name, 0.0) + value
+            grad_norms.append(float(self._optimizer_step()))
+            self.step += 1
+        out = {f"train/{k}": v for k, v in self._totals(sums, float(batch.loss_mask.sum())).items()}
+        out.update({
+            "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            "train/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - started),
+            "train/step": float(self.step),
+        })
+        return out
+
+    def _set_lr(self, lr: float | None) -> None:
+        """lr when given (SFT's schedule), else train.lr with a linear warm-up over train.warmup_steps."""
+        value = lr if lr is not None else self.cfg.lr * min(1.0, (self.step + 1) / max(self.cfg.warmup_steps, 1))
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
+
+    def save_atomically(self, out_dir: str | Path, tokenizer_dir: str, also: Callable[[Path], None] | None = None) -> None:
+        """`save` by every process into one temporary sibling that the writer renames into place when
+        complete, with the tokenizer; `also(tmp)` lets the writer add files (e.g. PPO's critic) first."""
+        out = Path(out_dir)
+        tmp = out.with_name(f".{out.name}.tmp-{type(self).__name__}")
+        if self._is_writer():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        self.save(str(tmp))
+        self._barrier()  # every process has written its share before the writer moves the directory
+        if self._is_writer():
+            copy_tokenizer(tokenizer_dir, tmp)
+            if also is not None:
+                also(tmp)
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+        self._barrier()

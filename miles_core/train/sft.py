@@ -15,10 +15,9 @@ import time
 from tqdm import tqdm
 
 from miles_core.algos.objective import sft_loss
+from miles_core.chat import conversation_tokens, prompt_tokens, response_tokens
 from miles_core.config import SFTConfig, TrainConfig
 from miles_core.data.source import Prompt
-from miles_core.models.tiny import demonstration_tokens, encode_prompt
-from miles_core.rollout.multi_turn import conversation_tokens
 from miles_core.samples import Sample
 from miles_core.train.base import Trainer, pack
 
@@ -26,15 +25,15 @@ from miles_core.train.base import Trainer, pack
 def demonstrations(prompts: list[Prompt], tokenizer) -> list[Sample]:
     out = []
     for p in prompts:
-        prompt_tokens = encode_prompt(tokenizer, p.text)
+        prompt = prompt_tokens(tokenizer, p.text)
         for i, demo in enumerate(p.metadata.get("demonstrations", [p.label])):
             if isinstance(demo, list):
                 response, mask = conversation_tokens(tokenizer, demo)
             else:
-                response = demonstration_tokens(tokenizer, str(demo))
+                response = response_tokens(tokenizer, str(demo))
                 mask = [1] * len(response)
             out.append(Sample(
-                prompt_id=p.id, index=i, prompt_tokens=prompt_tokens, response_tokens=response,
+                prompt_id=p.id, index=i, prompt_tokens=prompt, response_tokens=response,
                 rollout_logprobs=[0.0] * len(response), loss_mask=mask, finish_reason="stop",
                 weight_version=0, label=p.label, metadata=p.metadata,
             ))

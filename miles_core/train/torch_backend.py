@@ -1,6 +1,10 @@
 """The torch trainer backend: the HF model itself, AdamW, micro-batches and gradient clipping.
 
-The embedded default. `TorchCritic` is the same trainer around a value model (the policy's
+The embedded default: this module supplies the HF model's forward pass, the backward pass of a
+mini-batch in micro-batches and the clipped AdamW step; the mini-batch loop is `TrainerBase`'s.
+Under a multi-process launcher it is data parallel over gloo: every process holds the whole model,
+trains on its share of each mini-batch's rows, and the gradients are summed before the step (the
+same arithmetic as DDP; every process then holds the same weights, and rank 0 writes). `TorchCritic` is the same trainer around a value model (the policy's
 transformer with a scalar head, HF's *ForTokenClassification), for PPO; its `logprobs` are
 the values V(s_t) of the state before each response token.  A checkpoint is a directory holding the model as HF safetensors
 (`save_pretrained`), `optimizer.pt` and `trainer_state.json` (step, torch RNG state), so a
@@ -10,25 +14,43 @@ resumed run continues bitwise on CPU.
 from __future__ import annotations
 
 import json
-import time
+import os
 from pathlib import Path
+from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from miles_core.algos.kl import entropy_from_logits, token_logprobs
 from miles_core.config import TrainConfig
-from miles_core.algos.losses import loss_weights
-from miles_core.train.base import LossFn, PackedBatch, WeightsFn
+from miles_core.train.base import LossFn, PackedBatch, TrainerBase
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TorchTrainer:
+def join_process_group() -> None:
+    """Under a multi-process launcher (torchrun, a kfpytorch Elastic task: WORLD_SIZE > 1), join its gloo group."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def _data_parallel() -> tuple[int, int]:
+    """(rank, world size) of the data-parallel processes: (0, 1) in a plain process."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _rows_of(rank: int, world: int, n: int) -> slice:
+    per_rank = -(-n // world)
+    return slice(min(rank * per_rank, n), min((rank + 1) * per_rank, n))
+
+
+class TorchTrainer(TrainerBase):
     auto_class = AutoModelForCausalLM
-    model_kwargs: dict = {}
+    model_kwargs: ClassVar[dict] = {}
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, step: int = 0):
+        join_process_group()
         self.model = model.float().train()
         self.cfg = cfg
         self.step = step
@@ -37,12 +59,12 @@ class TorchTrainer:
         )
 
     @classmethod
-    def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> "TorchTrainer":
+    def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> TorchTrainer:
         torch.manual_seed(cfg.seed)
         return cls(cls.auto_class.from_pretrained(policy_dir, dtype=torch.float32, **cls.model_kwargs), cfg)
 
     @classmethod
-    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> "TorchTrainer":
+    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> TorchTrainer:
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text())
         trainer = cls(cls.auto_class.from_pretrained(ckpt_dir, dtype=torch.float32, **cls.model_kwargs), cfg, step=state["step"])
         optim_file = Path(ckpt_dir) / "optimizer.pt"
@@ -52,6 +74,8 @@ class TorchTrainer:
         return trainer
 
     def save(self, ckpt_dir: str) -> None:
+        if not self._is_writer():  # data-parallel replicas are identical: one process writes, none races it on the same files
+            return
         self.model.save_pretrained(ckpt_dir, safe_serialization=True)
         if self.step:
             torch.save(self.optimizer.state_dict(), Path(ckpt_dir) / "optimizer.pt")
@@ -76,45 +100,63 @@ class TorchTrainer:
         step = self.cfg.micro_batch_size
         return torch.cat([self._forward(batch.select(slice(i, i + step)), temperature)[0] for i in range(0, len(batch), step)])
 
-    def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights) -> dict[str, float]:
-        started = time.perf_counter()
+    def _backward(self, mini: PackedBatch, weights: torch.Tensor, extras: dict, loss_fn: LossFn, temperature: float) -> dict[str, float]:
+        """This process's rows of the mini-batch in micro-batches; with several processes the gradients
+        are summed over them (the weights already normalise over the whole mini-batch, so the sum is the
+        mini-batch's gradient)."""
+        rank, world = _data_parallel()
+        rows = _rows_of(rank, world, len(mini))
+        mini, weights, extras = mini.select(rows), weights[rows], {k: v[rows] for k, v in extras.items()}
         sums: dict[str, float] = {}
-        total_tokens = float(batch.loss_mask.sum())
-        mini = -(-len(batch) // self.cfg.mini_batches)
-        grad_norms = []
-        for m_start in range(0, len(batch), mini):
-            m_rows = slice(m_start, m_start + mini)
-            weights = weights_fn(batch.loss_mask[m_rows])  # [b_mini, T]
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr if lr is not None else self.cfg.lr * min(1.0, (self.step + 1) / max(self.cfg.warmup_steps, 1))
-            self.optimizer.zero_grad(set_to_none=True)
-            for start in range(m_start, min(m_start + mini, len(batch)), self.cfg.micro_batch_size):
-                rows = slice(start, min(start + self.cfg.micro_batch_size, m_start + mini))
-                micro = batch.select(rows)
-                logprobs, entropy = self._forward(micro, temperature)
-                loss, metrics = loss_fn(logprobs, entropy, micro.loss_mask, {k: v[rows] for k, v in extras.items()})
-                (loss * weights[rows.start - m_start : rows.stop - m_start]).sum().backward()
-                if entropy is not None:
-                    metrics = {"entropy": entropy.detach(), **metrics}
-                for name, values in {"loss": loss.detach(), **metrics}.items():
-                    sums[name] = sums.get(name, 0.0) + float((values * micro.loss_mask).sum())
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)))
-            self.optimizer.step()
-            self.step += 1
-        seconds = time.perf_counter() - started
-        out = {f"train/{k}": v / max(total_tokens, 1.0) for k, v in sums.items()}
-        out.update({
-            "train/grad_norm": sum(grad_norms) / len(grad_norms),
-            "train/tokens_per_s": float(batch.attention_mask.sum()) / seconds,
-            "train/step": float(self.step),
-        })
-        return out
+        for start in range(0, len(mini), self.cfg.micro_batch_size):
+            micro_rows = slice(start, start + self.cfg.micro_batch_size)
+            micro = mini.select(micro_rows)
+            logprobs, entropy = self._forward(micro, temperature)
+            loss, metrics = loss_fn(logprobs, entropy, micro.loss_mask, {k: v[micro_rows] for k, v in extras.items()})
+            (loss * weights[micro_rows]).sum().backward()
+            if entropy is not None:
+                metrics = {"entropy": entropy.detach(), **metrics}
+            for name, values in {"loss": loss.detach(), **metrics}.items():
+                sums[name] = sums.get(name, 0.0) + float((values * micro.loss_mask).sum())
+        if world > 1:
+            for param in self.model.parameters():
+                if param.grad is None:  # a parameter this process's rows did not reach
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad)
+        return sums
 
+    def _totals(self, sums: dict, tokens: float) -> dict[str, float]:
+        if _data_parallel()[1] > 1:
+            names = sorted(sums)
+            summed = torch.tensor([float(sums[k]) for k in names], dtype=torch.float64)
+            dist.all_reduce(summed)
+            sums = dict(zip(names, summed.tolist()))
+        return super()._totals(sums, tokens)
+
+    def _check_batch(self, batch: PackedBatch) -> None:
+        world = _data_parallel()[1]
+        if len(batch) // self.cfg.mini_batches < world:
+            raise ValueError(f"a mini-batch of {len(batch) // self.cfg.mini_batches} samples cannot be split over {world} data-parallel processes")
+
+    def _optimizer_step(self) -> float:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        self.optimizer.step()
+        return grad_norm
+
+    def _is_writer(self) -> bool:
+        return _data_parallel()[0] == 0
+
+    def _barrier(self) -> None:
+        if _data_parallel()[1] > 1:
+            dist.barrier()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
 class TorchCritic(TorchTrainer):
     auto_class = AutoModelForTokenClassification
-    model_kwargs = {"num_labels": 1}
+    model_kwargs: ClassVar[dict] = {"num_labels": 1}
 
     def _forward(self, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, None]:
         hidden = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1, 0]  # [b, L-1]

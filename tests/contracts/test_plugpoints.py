@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
-from miles_core import loop
+from miles_core import step
 from miles_core.config import ModelConfig, RunConfig
 from miles_core.data.problems import make_addition, write_jsonl
 from miles_core.data.source import DataState, load_prompts
@@ -20,8 +21,8 @@ from miles_core.rewards.base import RewardFn
 from miles_core.rollout.base import RolloutEngine
 from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.train.base import Trainer
+from miles_core.train.megatron.trainer import MegatronTrainer
 from miles_core.train.torch_backend import TorchCritic, TorchTrainer
-from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {
@@ -100,7 +101,7 @@ def test_bad_plugin_paths_name_the_field(path, needle):
 def test_a_bad_plugin_fails_the_recipe_before_anything_runs():
     out = subprocess.run(
         [sys.executable, "-m", "miles_core.config", "recipes/smoke.yaml", "algo.loss_fn=docs.examples:exact_text"],
-        cwd=ROOT, capture_output=True, text=True,
+        cwd=ROOT, capture_output=True, text=True, check=False,
     )
     assert out.returncode == 2 and out.stdout == ""
     assert "algo.loss_fn: docs.examples:exact_text does not take (algo, logprobs, entropy, mask, extras)" in out.stderr
@@ -110,7 +111,7 @@ def protocol_methods(protocol) -> set[str]:
     return {name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")}
 
 
-@pytest.mark.parametrize("protocol, implementation", [(RolloutEngine, TorchEngine), (Trainer, TorchTrainer), (Trainer, TorchCritic)])
+@pytest.mark.parametrize("protocol, implementation", [(RolloutEngine, TorchEngine), (Trainer, TorchTrainer), (Trainer, TorchCritic), (Trainer, MegatronTrainer)])
 def test_backends_implement_their_protocol(protocol, implementation):
     for name in protocol_methods(protocol):
         mine, theirs = inspect.signature(getattr(implementation, name)), inspect.signature(getattr(protocol, name))
@@ -133,24 +134,22 @@ def test_all_examples_together_run_a_step(tmp_path, capsys):
     source = plugin(cfg.data, "data", "source_fn")(prompts, 0, DataState())
     first = [len(p.text) for p in source.next_batch(8)]
     assert first == sorted(first) and first[0] == min(len(p.text) for p in prompts)
-    reward_fn = plugin(cfg.reward, "reward", "fn")
-    scorer = lambda samples: loop.score(samples, reward_fn, tokenizer, cfg.reward, cfg.rollout.n_samples)  # noqa: E731
+    fns = step.bind(rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, hooks=cfg.hooks, evaluation=cfg.evaluation)
+    assert fns.loss_fn.__name__ == "vanilla_pg_loss" and fns.evaluate_fn.__name__ == "pass_at_4"  # every plug-point resolved once
     engine = TorchEngine(policy_dir, 0)
-    samples, buffer, metrics = plugin(cfg.rollout, "rollout", "rollout_fn")(engine, source, tokenizer, cfg.rollout, scorer, [], seed=1)
+    samples, buffer, metrics = fns.rollout_fn(engine, source, tokenizer, fns, step.scorer_of(fns, tokenizer), [], seed=1)
     assert buffer == [] and all(len(s.response_tokens) <= 4 for s in samples)  # generate_short's budget
-    scorer(samples)
+    step.score_batch(samples, fns, tokenizer, 0, metrics)
     rewards = [s.reward for s in samples]
     assert all(r == min(max(r, 0.0), 1.0) for r in rewards)  # post-processed, then clamped
     trainer = TorchTrainer.from_hf(policy_dir, cfg.train)
     before = [p.clone() for p in trainer.model.parameters()]
-    plugin(cfg.hooks, "hooks", "before_train_step")(trainer, samples, 0)
-    train_metrics = loop.train(trainer, samples, cfg.algo, cfg.rollout.n_samples, 1.0, tokenizer.pad_token_id)
-    plugin(cfg.hooks, "hooks", "after_train_step")(trainer, train_metrics, 0)
+    train_metrics = step.train_step(trainer, samples, fns, tokenizer.pad_token_id)
     assert "mismatch/is_weight_mean" not in train_metrics  # is_correction is "none" unless asked
     moved = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     assert moved or all(s.finish_reason == "length" for s in samples) or len(set(rewards)) == 1
-    extra = plugin(cfg.hooks, "hooks", "rollout_log")(samples, metrics, 0)
+    extra = fns.rollout_log(samples, metrics, 0)
     assert set(extra) == {"rollout/reward_short_half", "rollout/reward_long_half"}
-    evaluation = plugin(cfg.evaluation, "evaluation", "fn")(engine, load_prompts(tmp_path / "test.jsonl"), tokenizer, reward_fn, cfg.reward, cfg.evaluation, plugin(cfg.rollout, "rollout", "generate_fn"))
+    evaluation = fns.evaluate_fn(engine, load_prompts(tmp_path / "test.jsonl"), tokenizer, fns)
     assert 0.0 <= evaluation["eval/accuracy"] <= evaluation["eval/pass_at_4"] <= 1.0
     assert "training on 8 samples" in capsys.readouterr().out

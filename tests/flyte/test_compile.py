@@ -11,7 +11,8 @@ from flytekit.tools.translator import get_serializable
 
 import miles_core
 from containers.images import cpu_image
-from tasks import prepare, rl as rl_tasks, sft, tracking
+from tasks import prepare, sft, tracking
+from tasks import rl as rl_tasks
 from workflows.rl import rl, rl_loop
 
 pytestmark = pytest.mark.flyte
@@ -28,12 +29,17 @@ def compile_entity(entity):
     return get_serializable(OrderedDict(), SETTINGS, entity)
 
 
+def image_of(template) -> str:
+    """The task's image: its container's, or its pod template's first container's (an Elastic task)."""
+    return template.container.image if template.container else template.k8s_pod.pod_spec["containers"][0]["image"]
+
+
 @pytest.mark.parametrize("task", CACHED, ids=lambda t: t.name)
 def test_stage_tasks_are_cached_with_a_config_derived_version(task):
     template = compile_entity(task).template
     assert template.metadata.discoverable
     assert template.metadata.discovery_version.startswith(f"{miles_core.__version__}-")
-    assert template.container.image == cpu_image.image_name()
+    assert image_of(template) == cpu_image.image_name()
 
 
 def test_cache_versions_differ_by_the_sections_read():
@@ -49,16 +55,16 @@ def test_tracking_tasks_always_run(task):
 
 def test_typed_interfaces():
     rollout = compile_entity(rl_tasks.rollout).template.interface
-    assert set(rollout.inputs) == {"cfg", "data", "reward", "policy", "dataset", "state", "buffer", "iteration", "root"}
+    assert set(rollout.inputs) == {"cfg", "data", "reward", "policy", "dataset", "state", "buffer", "iteration", "root", "code"}
     assert set(rollout.outputs) == {"o0"}
     train = compile_entity(rl_tasks.train).template.interface
-    assert {"ckpt", "batch", "algo", "cfg", "rollout", "hooks", "reference"} <= set(train.inputs)
+    assert {"ckpt", "batch", "algo", "cfg", "rollout", "hooks", "reference", "code"} <= set(train.inputs)
 
 
 def test_workflow_compiles_with_its_static_nodes():
     spec = compile_entity(rl)
     names = [node.id for node in spec.template.nodes]
-    assert len(names) == 7  # build_model, make_data, sft, evaluate, start_run, rl_loop, finish_run
+    assert len(names) == 8  # build_model, make_data, sft, stage_code, evaluate, start_run, rl_loop, finish_run
     assert set(spec.template.interface.inputs) == {"cfg"}
     loop = compile_entity(rl_loop).template
     assert set(loop.interface.inputs) == {"cfg", "start", "dataset", "run"}

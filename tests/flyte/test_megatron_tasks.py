@@ -1,23 +1,23 @@
-"""The megatron tasks and recipes compile into the Flyte spec: Elastic pods, cache settings, resources."""
+"""The trainer tasks (one set for both backends) and the megatron recipes compile into the Flyte spec:
+Elastic pods, cache settings, resources, and the train task's processes taken from the recipe."""
 
 
 import pytest
-
-import miles_core
 from flytekit import workflow
 from flytekit.models.task import Resources
 
+import miles_core
 from containers.images import cpu_image
-from miles_core.config import load_recipe
-from tasks import megatron
+from miles_core.config import TrainConfig, load_recipe
+from tasks import rl as rl_tasks
 from tasks.common import BatchResult, Checkpoint, Policy
 from tests.flyte.test_compile import compile_entity
 
 pytestmark = pytest.mark.flyte
 
 
-@pytest.mark.parametrize("task", [megatron.convert, megatron.train, megatron.publish], ids=lambda t: t.name)
-def test_megatron_tasks_are_cached_elastic_pods(task):
+@pytest.mark.parametrize("task", [rl_tasks.convert, rl_tasks.train, rl_tasks.publish], ids=lambda t: t.name)
+def test_trainer_tasks_are_cached_elastic_pods(task):
     template = compile_entity(task).template
     assert template.metadata.discoverable and template.metadata.discovery_version.startswith(f"{miles_core.__version__}-")
     container = template.k8s_pod.pod_spec["containers"][0]  # an Elastic task is a pod template, not a container
@@ -26,12 +26,10 @@ def test_megatron_tasks_are_cached_elastic_pods(task):
     assert task.task_config.nnodes == 1 and task.task_config.start_method == "fork"
 
 
-def test_train_task_runs_two_processes_and_shares_the_torch_train_interface():
-    from tasks import rl as rl_tasks
-
-    assert megatron.train.task_config.nproc_per_node == 2
-    for mine, theirs in ((megatron.train, rl_tasks.train), (megatron.convert, rl_tasks.convert), (megatron.publish, rl_tasks.publish)):
-        assert set(compile_entity(mine).template.interface.inputs) == set(compile_entity(theirs).template.interface.inputs)
+@pytest.mark.parametrize("backend, nnodes, nproc", [("megatron", 1, 4), ("megatron", 1, 1), ("torch", 1, 3), ("megatron", 2, 4), ("torch", 3, 2)])
+def test_train_processes_come_from_the_recipe(backend, nnodes, nproc):
+    elastic = rl_tasks.train_overrides(TrainConfig(backend=backend, nnodes=nnodes, nproc_per_node=nproc))["task_config"]
+    assert (elastic.nnodes, elastic.nproc_per_node) == (nnodes, nproc)
 
 
 @pytest.mark.parametrize("recipe", ["recipes/tiny_arith_megatron.yaml", "recipes/qwen3_4b_megatron_gpu.yaml"])
@@ -41,15 +39,16 @@ def test_megatron_recipes_validate_and_compile_with_their_resources(recipe):
 
     @workflow
     def one_step(ckpt: Checkpoint, batch: BatchResult, reference: Policy):
-        megatron.train(
+        rl_tasks.train(
             algo=cfg.algo, cfg=cfg.train, reward=cfg.reward, rollout=cfg.rollout, hooks=cfg.hooks, ckpt=ckpt, batch=batch,
-            reference=reference, iteration=0, root=cfg.run_root,
-        ).with_overrides(**megatron.train_overrides(cfg.train))
+            reference=reference, iteration=0, root=cfg.run_root, code="",
+        ).with_overrides(**rl_tasks.train_overrides(cfg.train))
 
     overrides = compile_entity(one_step).template.nodes[0].task_node.overrides
     gpus = [r.value for r in overrides.resources.requests if r.name == Resources.ResourceName.GPU] if overrides.resources else []
     assert gpus == ([str(cfg.train.gpus_per_node)] if cfg.train.gpus_per_node else [])
-    assert megatron.train_overrides(cfg.train)["task_config"].nproc_per_node == cfg.train.nproc_per_node
+    elastic = rl_tasks.train_overrides(cfg.train)["task_config"]
+    assert (elastic.nnodes, elastic.nproc_per_node) == (cfg.train.nnodes, cfg.train.nproc_per_node)
 
 
 def test_gpu_recipe_parallel_sizes():

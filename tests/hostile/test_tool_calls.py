@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 
+from miles_core.chat import tool_turn_tokens
 from miles_core.config import MultiTurnConfig, RolloutConfig
 from miles_core.data.source import Prompt
 from miles_core.models.tiny import build_tokenizer
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
-from miles_core.rollout.multi_turn import generate, tool_turn_tokens
+from miles_core.rollout.multi_turn import generate
 from miles_core.tools import TOOLS
 from miles_core.tools.sandbox import SandboxLimits
 

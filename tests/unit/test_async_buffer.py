@@ -34,6 +34,17 @@ def test_draws_are_numbered_by_stream_position_and_the_bound_holds():
     assert b.drain()["state"] == DataState(epoch=1, offset=2)
 
 
+def test_draws_dropped_by_dynamic_sampling_end_the_lease_and_are_counted():
+    b = buffer()
+    b.register(0)
+    leased = b.lease(0, 3)
+    b.deliver(0, [group(leased[1], 1)], {}, filtered=[leased[0].metadata["draw"], leased[2].metadata["draw"]])
+    drained = b.drain()
+    assert [g[0].metadata["draw"] for g in drained["groups"]] == [1] and drained["filtered"] == [0, 2]  # draws 0..2, as leased
+    b.close()
+    assert b.settled()  # nothing leased or waiting: the filtered draws are not handed out again
+
+
 def test_a_restarted_actor_gets_its_lease_handed_out_again():
     b = buffer()
     b.register(0)
@@ -42,7 +53,7 @@ def test_a_restarted_actor_gets_its_lease_handed_out_again():
     assert b.register(0) == ("weights", 3)  # the restart starts from the newest weights
     again = b.lease(1, 2)
     assert [p.metadata["draw"] for p in again] == [p.metadata["draw"] for p in lost]
-    with pytest.raises(RuntimeError, match="delivered draws \\[0\\] for its lease \\[0, 1\\]"):
+    with pytest.raises(RuntimeError, match="delivered draws \\[0\\] \\(filtered \\[\\]\\) for its lease \\[0, 1\\]"):
         b.deliver(1, [group(again[0], 1)], {})
     assert b.drain()["restarts"] == 1
 

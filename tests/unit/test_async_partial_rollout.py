@@ -5,8 +5,6 @@ The weight update between segments is simulated by bumping the engine's version 
 which is what a real update changes from the sampler's point of view; the real update path runs in
 tests/integration/test_async_phase.py."""
 
-import contextlib
-
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -14,9 +12,9 @@ from transformers import AutoTokenizer
 from miles_core.async_loop import generate_segmented
 from miles_core.config import AsyncConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import Prompt
-from miles_core.loop import generate
 from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.engines.torch_engine import TorchEngine
+from miles_core.step import generate, sampling_params
 from miles_core.train.base import pack
 from miles_core.train.torch_backend import TorchTrainer
 
@@ -43,7 +41,9 @@ def run(policy_dir, **async_values):
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     prompts = [Prompt(id=f"p{i}", text=f"{i}+{i}=", label=str(2 * i), metadata={"draw": i}) for i in range(4)]
     cfg = AsyncConfig(partial_rollout=True, partial_segment_tokens=2, **async_values)
-    return generate_segmented(engine, prompts, tokenizer, generate, ROLLOUT, cfg, contextlib.nullcontext), tokenizer
+    params = sampling_params(ROLLOUT, tokenizer, seed=0)
+    samples, _ = generate_segmented(engine, prompts, tokenizer, params, generate_fn=generate, rollout=ROLLOUT, cfg=cfg)
+    return samples, tokenizer
 
 
 def test_continued_responses_carry_each_tokens_version(policy_dir):

@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling through `loop.rollout` with the real torch engine on a tiny model.
+"""DAPO dynamic sampling through `step.rollout` with the real torch engine on a tiny model.
 
 The reward is chosen per prompt so the test knows which groups the default filter must drop:
 prompts with an even number score the same for every sample (zero std: dropped), odd ones
@@ -11,7 +11,7 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
-from miles_core import loop
+from miles_core import step
 from miles_core.config import ModelConfig, RolloutConfig
 from miles_core.data.source import Prompt, PromptSource
 from miles_core.models.tiny import build_tiny_model
@@ -38,7 +38,7 @@ def numbered(ids):
 def run(engine_and_tokenizer, cfg, buffer=(), source=None):
     engine, tokenizer = engine_and_tokenizer
     source = source or numbered(range(40))
-    samples, left, metrics = loop.rollout(engine, source, tokenizer, cfg, score_by_prompt, list(buffer), seed=1)
+    samples, left, metrics = step.rollout(engine, source, tokenizer, step.bind(rollout=cfg), score_by_prompt, list(buffer), seed=1)
     return samples, left, metrics, source
 
 

@@ -3,11 +3,13 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from miles_core.chat import prompt_tokens, response_tokens
 from miles_core.config import ModelConfig
 from miles_core.models.tiny import (
     IM_END,
@@ -15,8 +17,6 @@ from miles_core.models.tiny import (
     PAD_TOKEN,
     build_tiny_model,
     build_tokenizer,
-    demonstration_tokens,
-    encode_prompt,
 )
 
 SAMPLES = ["123+456=", "47+85=", "What is (12-7)*3? Answer: 15.", "  two  spaces\n\ttab", "héllo 日本 ½", ""]
@@ -55,7 +55,7 @@ def test_digits_are_single_tokens_and_roundtrip(tokenizer):
 
 
 def test_chat_template(tokenizer):
-    ids = encode_prompt(tokenizer, "123+456=")
+    ids = prompt_tokens(tokenizer, "123+456=")
     assert isinstance(ids, list) and all(type(i) is int for i in ids)
     assert tokenizer.decode(ids) == "<|im_start|>user\n123+456=<|im_end|>\n<|im_start|>assistant\n"
 
@@ -67,9 +67,9 @@ def test_prompt_plus_demonstration_is_the_templated_conversation(tokenizer, ques
     full = list(full["input_ids"] if hasattr(full, "keys") else full)
     newline = tokenizer.encode("\n", add_special_tokens=False)
     assert full[-len(newline):] == newline  # the template ends the turn with a newline
-    demo = demonstration_tokens(tokenizer, answer)
+    demo = response_tokens(tokenizer, answer)
     assert demo[-1] == tokenizer.convert_tokens_to_ids(IM_END)
-    assert encode_prompt(tokenizer, question) + demo == full[: -len(newline)]
+    assert prompt_tokens(tokenizer, question) + demo == full[: -len(newline)]
 
 
 def test_rebuild_is_byte_identical(built, tmp_path):
@@ -82,9 +82,9 @@ def test_rebuild_is_byte_identical(built, tmp_path):
 def test_seed_changes_weights_and_rebuild_replaces_dir(tmp_path):
     out = str(tmp_path / "m")
     build_tiny_model(ModelConfig(num_layers=1, seed=0), out)
-    first = open(os.path.join(out, "model.safetensors"), "rb").read()
+    first = Path(out, "model.safetensors").read_bytes()
     assert build_tiny_model(ModelConfig(num_layers=1, seed=1), out) == out
-    assert open(os.path.join(out, "model.safetensors"), "rb").read() != first
+    assert Path(out, "model.safetensors").read_bytes() != first
     assert sorted(os.listdir(tmp_path)) == ["m"]  # no leftover .tmp / .old directories
 
 
@@ -103,8 +103,8 @@ def test_hf_directory_loads_and_runs(built, tokenizer, arch):
     assert loaded.eos_token == IM_END and loaded.pad_token == PAD_TOKEN and loaded.padding_side == "left"
     for text in SAMPLES:  # the loaded tokenizer encodes exactly like the built one
         assert loaded.encode(text) == tokenizer.encode(text)
-    assert encode_prompt(loaded, "1+2=") == encode_prompt(tokenizer, "1+2=")
-    ids = torch.tensor([encode_prompt(loaded, "47+85=")])
+    assert prompt_tokens(loaded, "1+2=") == prompt_tokens(tokenizer, "1+2=")
+    ids = torch.tensor([prompt_tokens(loaded, "47+85=")])
     with torch.no_grad():
         logits = model(input_ids=ids).logits  # [1, T, V]
     assert logits.shape == (1, ids.shape[1], len(tokenizer)) and torch.isfinite(logits).all()

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_core.chat import conversation_tokens, prompt_tokens, tool_turn_tokens
 from miles_core.config import ModelConfig, MultiTurnConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import Prompt
-from miles_core.models.tiny import build_tiny_model, build_tokenizer, encode_prompt
+from miles_core.models.tiny import build_tiny_model, build_tokenizer
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from miles_core.rollout.engines.torch_engine import TorchEngine
-from miles_core.rollout.multi_turn import conversation_tokens, generate, parse_tool_call, tool_turn_tokens
+from miles_core.rollout.multi_turn import generate, parse_tool_call
 from miles_core.train.base import pack
 from miles_core.train.torch_backend import TorchTrainer
 
@@ -52,7 +53,7 @@ class ScriptedEngine:
         return out
 
 
-def _run(tokenizer, script, settings=MultiTurnConfig(), max_new_tokens=64, n=1):
+def _run(tokenizer, script, settings=MultiTurnConfig(), max_new_tokens=64, n=1):  # noqa: B008 (frozen dataclass)
     engine = ScriptedEngine(tokenizer, script)
     params = SamplingParams(n=n, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
     samples, metrics = generate(engine, [Prompt("p0", "12*34=", "408")], tokenizer, params, RolloutConfig(multi_turn=settings))
@@ -147,19 +148,19 @@ def test_real_engine_logprobs_match_the_trainer_on_model_tokens(tmp_path, tokeni
     batch = pack(samples, tokenizer.pad_token_id)
     recomputed = TorchTrainer.from_hf(policy, TrainConfig()).logprobs(batch, 1.0)
     assert torch.allclose(recomputed * batch.loss_mask, batch.rollout_logprobs * batch.loss_mask, atol=1e-4)
-    assert all(s.prompt_tokens == encode_prompt(tokenizer, "12*34=") for s in samples)
+    assert all(s.prompt_tokens == prompt_tokens(tokenizer, "12*34=") for s in samples)
 
 
 def test_fits_the_generate_plugpoint_and_gets_its_settings():
-    from miles_core import loop
+    from miles_core import step
     from miles_core.config import load_recipe
     from miles_core.plugins import PLUGPOINTS, load_function
 
     load_function("miles_core.rollout.multi_turn:generate", "rollout.generate_fn", PLUGPOINTS["rollout.generate_fn"])
     cfg = load_recipe(SMOKE)
-    bound = loop.generate_fn_of(cfg.rollout)
+    bound = step.bind(rollout=cfg.rollout).generate_fn
     assert bound.keywords == {"rollout_cfg": cfg.rollout} and cfg.rollout.multi_turn.tools == "python"
-    assert loop.generate_fn_of(RolloutConfig()) is loop.generate  # the single-turn default is untouched
+    assert step.bind(rollout=RolloutConfig()).generate_fn is step.generate  # the single-turn default is untouched
 
 
 def test_bad_multi_turn_setting_names_its_key_path():

@@ -1,10 +1,12 @@
 """The reward hub on a held-out set of answer formats, per-sample reward types, the remote reward
-model against a real HTTP server on 127.0.0.1 (up, down, slow, garbage, flaky), and the scorer's
-fallback when a reward fails."""
+model against a real HTTP server on 127.0.0.1 (up, down, slow, garbage, flaky, hanging), and the
+score stage (`step.score`): its fallback when a reward fails, a remote batch within
+reward.remote_batch_timeout_s, an open circuit breaker failing the step, out-of-range rewards."""
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -12,13 +14,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from miles_core import loop
 from miles_core.config import RewardConfig
 from miles_core.models.tiny import build_tokenizer
 from miles_core.rewards import hub
 from miles_core.rewards.math import last_boxed
-from miles_core.rewards.remote import RemotePolicy, RemoteRewardError, remote_reward
+from miles_core.rewards.remote import RemotePolicy, RemoteRewardError, RemoteRewardUnavailable, remote_reward
 from miles_core.samples import Sample
+from miles_core.step import bind, score
 
 # (response, label, expected math_answer): formats not used to write the hub, each checked by math-verify.
 HELD_OUT_MATH = [
@@ -72,6 +74,9 @@ def test_reward_type_is_chosen_per_sample():
         hub.by_metadata("x", "y", {"reward_type": "nonsense"})
 
 
+RELEASE = threading.Event()  # a hanging reward model returns once the test lets it
+
+
 class _Handler(BaseHTTPRequestHandler):
     mode = "ok"
     requests = 0
@@ -81,6 +86,9 @@ class _Handler(BaseHTTPRequestHandler):
         type(self).requests += 1
         if self.mode == "slow":
             time.sleep(1.0)
+        if self.mode == "hang":
+            RELEASE.wait()  # until the test ends: the client gave up long before, nothing to answer
+            return
         if self.mode == "flaky" and type(self).requests == 1:
             return self._reply(503, b"busy")
         if self.mode == "garbage":
@@ -99,12 +107,14 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def reward_server():
-    """A real HTTP reward model on 127.0.0.1; set `_Handler.mode` to make it slow, flaky or garbage."""
+    """A real HTTP reward model on 127.0.0.1; set `_Handler.mode` to make it slow, flaky, garbage or hang."""
     _Handler.mode, _Handler.requests = "ok", 0
+    RELEASE.clear()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}/score"
+    RELEASE.set()
     server.shutdown()
     server.server_close()
 
@@ -151,9 +161,65 @@ def test_failed_reward_scores_the_fallback_and_is_counted():
     tokenizer = build_tokenizer()
     cfg = RewardConfig(fn="miles_core.rewards.hub:by_metadata", min=-1.0, fallback=-0.5, remote_url=f"http://127.0.0.1:{_free_port()}/score", remote_retries=0, remote_timeout_s=1.0)
     samples = [Sample("p", i, [1], tokenizer.encode("408", add_special_tokens=False), [0.0] * 3, [1] * 3, "stop", 0, "408", {"reward_type": "remote"}) for i in range(2)]
-    metrics = loop.score(samples, loop.reward_fn_of(cfg), tokenizer, cfg, group_size=2)
+    metrics = score(samples, bind(reward=cfg), tokenizer, group_size=2)
     assert [s.reward for s in samples] == [-0.5, -0.5] and metrics["reward/failures"] == 2.0
     assert "is down or dropped the connection" in samples[0].metadata["reward_error"]
+
+
+def _samples(tokenizer, answers: list[str], label: str = "408", metadata: dict | None = None) -> list[Sample]:
+    out = []
+    for i, answer in enumerate(answers):
+        tokens = tokenizer.encode(answer, add_special_tokens=False)
+        out.append(Sample("p", i, [1], tokens, [0.0] * len(tokens), [1] * len(tokens), "stop", 0, label, dict(metadata or {})))
+    return out
+
+
+def test_remote_rewards_of_a_batch_are_fetched_once_each(reward_server):
+    tokenizer = build_tokenizer()
+    samples = _samples(tokenizer, ["408", "407", "408", "12"])
+    metrics = score(samples, bind(reward=RewardConfig(fn="miles_core.rewards.hub:remote", remote_url=reward_server)), tokenizer, group_size=4)
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0] and metrics["reward/failures"] == 0.0
+    assert _Handler.requests == 3  # the same request once
+
+
+def test_a_batch_is_scored_within_the_batch_deadline(reward_server):
+    """A reward model that never answers: each sample's own deadline (30 s) is cut to what is left of
+    the batch's (reward.remote_batch_timeout_s), so the batch ends with every sample scored the fallback."""
+    _Handler.mode = "hang"
+    tokenizer = build_tokenizer()
+    cfg = RewardConfig(fn="miles_core.rewards.hub:remote", remote_url=reward_server, remote_timeout_s=30.0, remote_batch_timeout_s=0.5,
+                       remote_retries=0, remote_concurrency=2, fallback=0.25)
+    samples = _samples(tokenizer, ["1", "2", "3", "4"])
+    metrics = score(samples, bind(reward=cfg), tokenizer, group_size=4)
+    assert [s.reward for s in samples] == [0.25] * 4 and metrics["reward/failures"] == 4.0
+    assert any("reward.remote_batch_timeout_s=0.5s spent before this sample" in s.metadata["reward_error"] for s in samples)
+
+
+@pytest.mark.parametrize("fn, metadata", [("miles_core.rewards.hub:remote", {}), ("miles_core.rewards.hub:by_metadata", {"reward_type": "remote"})])
+def test_an_open_circuit_breaker_fails_the_step(fn, metadata):
+    """The model is down: the first sample's failure opens the breaker (max 1 consecutive failure), and
+    the next sample's RemoteRewardUnavailable fails the score stage instead of scoring the fallback."""
+    tokenizer = build_tokenizer()
+    cfg = RewardConfig(fn=fn, remote_url=f"http://127.0.0.1:{_free_port()}/score", remote_retries=0, remote_timeout_s=1.0,
+                       remote_concurrency=1, remote_max_consecutive_failures=1)
+    with pytest.raises(RemoteRewardUnavailable, match="failed 1 times in a row"):
+        score(_samples(tokenizer, ["1", "2"], metadata=metadata), bind(reward=cfg), tokenizer, group_size=2)
+
+
+def overshoot(samples: list[Sample], group_size: int) -> None:
+    """A reward.post_fn that pushes the first sample of each group past reward.max and the second below reward.min."""
+    for group in (samples[i : i + group_size] for i in range(0, len(samples), group_size)):
+        group[0].reward, group[1].reward = 3.0, -2.0
+
+
+def test_rewards_out_of_range_are_clamped_counted_and_named(caplog):
+    tokenizer = build_tokenizer()
+    cfg = RewardConfig(fn="miles_core.rewards.hub:integer", post_fn="tests.unit.test_reward_hub:overshoot")
+    samples = _samples(tokenizer, ["408", "407", "408"])
+    with caplog.at_level(logging.WARNING, logger="miles_core.step"):
+        metrics = score(samples, bind(reward=cfg), tokenizer, group_size=3)
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0] and metrics["reward/out_of_range"] == 2.0
+    assert "p/0=3.0" in caplog.text and "p/1=-2.0" in caplog.text and "p/2" not in caplog.text
 
 
 @pytest.mark.parametrize("name", sorted(hub.REWARDS) + ["by_metadata"])

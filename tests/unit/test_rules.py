@@ -34,7 +34,6 @@ CASES = [
      {"model.num_experts": 4}),
     ("async_queue", {**ASYNC, "async_phase.queue_size": 16}, "async_phase.queue_size: must be >= rollout.prompts_per_step (32)", {"rollout.prompts_per_step": 16}),
     ("async_critic", {**ASYNC, "algo.advantage": "ppo"}, "async_phase.schedule: async phases do not train a critic yet", {"algo.advantage": "grpo"}),
-    ("async_dynamic", {**ASYNC, "rollout.dynamic_sampling": True}, "async_phase.schedule: async phases do not run dynamic sampling", {"rollout.dynamic_sampling": False}),
     ("async_attached", {**ASYNC, "rollout.engine": "sglang", "rollout.sglang.urls": "http://h:1"}, "async_phase.rollout_workers: attached SGLang servers",
      {"async_phase.rollout_workers": 1}),
     ("async_sync_iterations", {"async_phase.schedule": "mixed", "async_phase.sync_iterations": 3, "iterations": 3},

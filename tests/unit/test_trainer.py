@@ -1,14 +1,15 @@
-"""The torch trainer: packing, a GRPO step that moves the policy the right way, bitwise resume."""
+"""The torch trainer: packing, a GRPO step that moves the policy the right way, bitwise resume, data parallelism."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
-from miles_core.config import AlgoConfig, ModelConfig, TrainConfig
-from miles_core.loop import train
+from miles_core.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.models.tiny import build_tiny_model
 from miles_core.samples import Sample
+from miles_core.step import bind, optimize
 from miles_core.train.base import pack
 from miles_core.train.torch_backend import TorchTrainer
 
@@ -53,7 +54,7 @@ def test_grpo_step_raises_the_rewarded_response(policy_dir):
     trainer = TorchTrainer.from_hf(policy_dir, TrainConfig(lr=1e-2))
     samples = groups([1.0, 0.0, 1.0, 0.0])
     before = trainer.logprobs(pack(samples, 0), 1.0)[:, 0]
-    metrics = train(trainer, samples, AlgoConfig(), group_size=2, temperature=1.0, pad_id=0)
+    metrics = train(trainer, samples, AlgoConfig(), 2, 1.0, 0)
     after = trainer.logprobs(pack(samples, 0), 1.0)[:, 0]
     assert after[0] > before[0] and after[1] < before[1]
     assert trainer.step == 1 and metrics["train/step"] == 1.0
@@ -97,8 +98,7 @@ def test_kl_term_needs_and_uses_the_reference(policy_dir):
 
 
 def test_a_failing_reward_fn_scores_min_and_is_recorded():
-    from miles_core.config import RewardConfig
-    from miles_core.loop import score
+    from miles_core.step import score
 
     class Tok:
         def decode(self, tokens, skip_special_tokens=True):
@@ -113,10 +113,80 @@ def test_a_failing_reward_fn_scores_min_and_is_recorded():
     for s in samples:
         s.reward = float("nan")  # not scored yet
     samples[0].metadata = {"nan": True}
-    metrics = score(samples, reward_fn, Tok(), RewardConfig(), group_size=2)
+    metrics = score(samples, with_reward(reward_fn), Tok(), group_size=2)
     assert [s.reward for s in samples] == [0.0, 0.0] and metrics["reward/failures"] == 2.0
     assert "RuntimeError: parser exploded" in samples[1].metadata["reward_error"]
     assert "not finite (nan)" in samples[0].metadata["reward_error"]
     samples[0].metadata, samples[0].reward = {}, float("nan")
-    score(samples, reward_fn, Tok(), RewardConfig(), group_size=2)
+    score(samples, with_reward(reward_fn), Tok(), group_size=2)
     assert samples[0].reward == 1.0  # 5.0 clipped to [reward.min, reward.max]
+
+
+def train(trainer, samples, algo, group_size, temperature, pad_id, reference=None):
+    """One RL update with the default plug-points, `algo` and groups of group_size sampled at temperature."""
+    return optimize(trainer, samples, bind(algo=algo, rollout=RolloutConfig(n_samples=group_size, temperature=temperature)), pad_id, reference=reference)
+
+
+def with_reward(reward_fn):
+    """The default StepFns with reward.fn replaced by a test's function (a plug-point resolved in place)."""
+    import dataclasses
+
+    return dataclasses.replace(bind(), reward_fn=reward_fn)
+
+
+def _data_parallel_step(rank: int, world: int, policy_dir: str, port: int, out: str) -> None:
+    """One process of a data-parallel run (as a kfpytorch Elastic / torchrun worker sees it: RANK, WORLD_SIZE in its env)."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    trainer = TorchTrainer.from_hf(policy_dir, TrainConfig(lr=1e-2, mini_batches=2))
+    metrics = train(trainer, groups([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]), AlgoConfig(), 2, 1.0, 0)
+    if rank == 0:
+        torch.save({"state": trainer.model.state_dict(), "metrics": metrics}, out)
+    dist.destroy_process_group()
+
+
+def test_two_data_parallel_processes_train_like_one(policy_dir, tmp_path):
+    """Each of 2 processes trains its half of every mini-batch and the gradients are summed: the same
+    update as one process on the whole mini-batch (the aggregation weights normalise over the whole
+    mini-batch, so the sum of the halves' gradients is its gradient), up to float summation order."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_data_parallel_step, args=(2, policy_dir, port, str(tmp_path / "dp.pt")), nprocs=2)
+    parallel = torch.load(tmp_path / "dp.pt", weights_only=False)
+    trainer = TorchTrainer.from_hf(policy_dir, TrainConfig(lr=1e-2, mini_batches=2))
+    single = train(trainer, groups([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]), AlgoConfig(), 2, 1.0, 0)
+    for name, value in trainer.model.state_dict().items():
+        assert torch.allclose(parallel["state"][name], value, atol=1e-6), name
+    assert parallel["metrics"]["train/loss"] == pytest.approx(single["train/loss"], abs=1e-6)
+    assert parallel["metrics"]["train/step"] == single["train/step"] == 2.0
+
+
+def test_advantages_see_the_loss_mask_and_kl_in_the_reward_its_clamp(policy_dir):
+    """The step hands advantage_fn the samples' loss masks (a tool's tokens are no step of the policy)
+    and shapes the reward with a KL whose log-ratio is clamped to algo.log_ratio_clamp."""
+    seen = {}
+    default = bind().advantage_fn
+
+    def advantage_fn(algo, rewards, mask, group_size, kl, values):
+        seen["mask"], seen["kl"] = mask.clone(), kl.clone()
+        return default(algo, rewards, mask, group_size, kl, values)
+
+    trainer, reference = TorchTrainer.from_hf(policy_dir, TrainConfig()), TorchTrainer.from_hf(policy_dir, TrainConfig())
+    algo = AlgoConfig(advantage="reinforce_plus_plus", kl_coef=0.1, kl_in_reward=True, use_rollout_logprobs=True, log_ratio_clamp=1.5)
+    samples = groups([1.0, 0.0])
+    samples[0].loss_mask = [1, 0]  # the second token is a tool's
+    fns = dataclasses.replace(bind(algo=algo, rollout=RolloutConfig(n_samples=2)), advantage_fn=advantage_fn)
+    optimize(trainer, samples, fns, 0, reference=reference)
+    assert seen["mask"].tolist() == [[1, 0], [1, 1]]
+    log_ratio = reference.logprobs(pack(samples, 0), 1.0) - torch.tensor(-1.0)  # the reference's against the rollout's (-1.0)
+    assert (log_ratio < -1.5).all()  # every log-ratio is past the clamp, so the clamp decides the KL
+    assert torch.allclose(seen["kl"], torch.full((2, 2), math.exp(-1.5) + 1.5 - 1.0))

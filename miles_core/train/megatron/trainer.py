@@ -1,9 +1,10 @@
 """The megatron-core trainer backend: GPTModel, DDP + distributed optimizer, TP/PP/DP/EP from the recipe.
 
-Implements the same `Trainer` protocol as the torch backend, so `loop.train` and the loss,
+A `TrainerBase`, like the torch backend, so `step.train_step`, the mini-batch loop and the loss,
 weights and metrics code are shared: this module only supplies per-token log-probs and entropy
-(through `vocab_parallel_cross_entropy` and a vocab-parallel entropy) and the optimizer step.
-Every rank runs `loop.train` on the whole batch (the same parquet file); each data-parallel rank
+(through `vocab_parallel_cross_entropy` and a vocab-parallel entropy), the backward pass of one
+mini-batch and the optimizer step.
+Every rank runs `step.train_step` on the whole batch (the same parquet file); each data-parallel rank
 trains on its own rows of each mini-batch, and the mini-batch's aggregation weights are computed
 over all its rows first, so the loss does not depend on the data-parallel size.
 
@@ -17,24 +18,19 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
-import shutil
-import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from miles_core.algos.losses import loss_weights
 from miles_core.checkpoint import torch_dist
-from miles_core.checkpoint.hf_megatron import arch_spec, hf_to_megatron, read_hf_config
+from miles_core.checkpoint.hf_megatron import ArchSpec, arch_spec, hf_to_megatron, megatron_to_hf, read_hf_config
 from miles_core.config import TrainConfig
-from miles_core.train.base import LossFn, PackedBatch, WeightsFn
+from miles_core.train.base import LossFn, PackedBatch, TrainerBase
 from miles_core.train.megatron import logits as vocab
 from miles_core.train.megatron.model import Parallel, build_model, build_optimizer, init_parallel, wrap_ddp
 from miles_core.train.megatron.routing import RoutingReplay
-from miles_core.weights.publish import copy_tokenizer
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -57,7 +53,7 @@ def parallel_of(cfg: TrainConfig) -> Parallel:
     return Parallel(tensor=cfg.tensor_parallel, pipeline=cfg.pipeline_parallel, expert=cfg.expert_parallel)
 
 
-class MegatronTrainer:
+class MegatronTrainer(TrainerBase):
     def __init__(self, model, hf_config: dict, cfg: TrainConfig, step: int = 0):
         from megatron.core.distributed import finalize_model_grads  # optional backend: imported where used
 
@@ -76,7 +72,7 @@ class MegatronTrainer:
         return build_model(spec, parallel_of(cfg), _DTYPES[cfg.megatron_dtype], routing_replay=spec.num_experts > 0)
 
     @classmethod
-    def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> "MegatronTrainer":
+    def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> MegatronTrainer:
         hf_config = read_hf_config(policy_dir)
         spec = arch_spec(hf_config)
         model = cls._build(spec, cfg)
@@ -84,7 +80,7 @@ class MegatronTrainer:
         return cls(model, hf_config, cfg)
 
     @classmethod
-    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> "MegatronTrainer":
+    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> MegatronTrainer:
         """A torch_dist checkpoint at any parallel sizes; optimizer state when it has one."""
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text()) if (Path(ckpt_dir) / "trainer_state.json").exists() else {"step": 0}
         hf_config = read_hf_config(ckpt_dir)
@@ -128,29 +124,18 @@ class MegatronTrainer:
             (Path(ckpt_dir) / "config.json").write_text(json.dumps(self.hf_config, indent=2))
         dist.barrier()
 
-    def save_atomically(self, out_dir: str | Path, tokenizer_dir: str, also: Callable[[Path], None] | None = None) -> None:
-        """`save` by every rank into one temporary sibling that rank 0 renames into place when complete;
-        `also(tmp)` lets rank 0 add files (e.g. PPO's critic) before the rename."""
-        out = Path(out_dir)
-        tmp = out.with_name(f".{out.name}.tmp-megatron")
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        self.save(str(tmp))
-        if dist.get_rank() == 0:
-            copy_tokenizer(tokenizer_dir, tmp)
-            if also is not None:
-                also(tmp)
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
-        dist.barrier()
-
     def export_hf(self, out_dir: str, dtype: str) -> None:
         full = torch_dist.gather_full_state(self.ddp.module, self.spec)
         if dist.get_rank() == 0:
             torch_dist.write_hf(self.spec, full, self.hf_config, out_dir, dtype)
         dist.barrier()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (gathered) weights under HF names; a tied output layer appears under both of its HF names."""
+        hf = megatron_to_hf(self.spec, torch_dist.gather_full_state(self.ddp.module, self.spec))
+        if self.hf_config.get("tie_word_embeddings") and "lm_head.weight" not in hf:
+            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+        return hf
 
     def _schedule(self, micro_batches: list[PackedBatch], loss_of, forward_only: bool) -> list[dict]:
         """Run micro-batches through megatron's schedule; the last stage's per-micro-batch outputs."""
@@ -197,52 +182,50 @@ class MegatronTrainer:
         per_rank = -(-(stop - start) // size)
         return slice(min(start + rank * per_rank, stop), min(start + (rank + 1) * per_rank, stop))
 
-    def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights) -> dict[str, float]:
+    def _check_batch(self, batch: PackedBatch) -> None:
         from megatron.core import parallel_state
 
-        started = time.perf_counter()
         dp_size = parallel_state.get_data_parallel_world_size()
-        mini = -(-len(batch) // self.cfg.mini_batches)
         if len(batch) // self.cfg.mini_batches < dp_size:
             raise ValueError(f"a mini-batch of {len(batch) // self.cfg.mini_batches} samples cannot be split over {dp_size} data-parallel ranks")
+
+    def _backward(self, mini: PackedBatch, weights: torch.Tensor, extras: dict, loss_fn: LossFn, temperature: float) -> dict[str, torch.Tensor]:
+        """This data-parallel rank's rows of the mini-batch through megatron's schedule (pipeline included)."""
+        from megatron.core import parallel_state
+
+        dp_size = parallel_state.get_data_parallel_world_size()
+        rows = self._data_parallel_rows(0, len(mini))
+        micro_batches = self._micro_batches(mini.select(rows), weights[rows], {k: v[rows] for k, v in extras.items()})
+
+        def loss_of(micro, output):
+            logprobs, entropy = self._stats(micro.batch, output, temperature)
+            loss, metrics = loss_fn(logprobs, entropy, micro.batch.loss_mask, micro.extras)
+            metrics = {"loss": loss.detach(), "entropy": entropy.detach(), **metrics}
+            sums_here = {k: (v * micro.batch.loss_mask).sum().detach() for k, v in metrics.items()}
+            # the schedule divides by the number of micro-batches and DDP averages over data-parallel
+            # ranks: undo both, the weights already normalise over the whole mini-batch
+            total = (loss * micro.weights).sum() * len(micro_batches) * dp_size
+            return total, sums_here
+
         sums: dict[str, torch.Tensor] = {}
-        grad_norms = []
-        for m_start in range(0, len(batch), mini):
-            m_stop = min(m_start + mini, len(batch))
-            weights = weights_fn(batch.loss_mask[m_start:m_stop])  # [b_mini, T] over the whole mini-batch
-            rows = self._data_parallel_rows(m_start, m_stop)
-            micro_batches = self._micro_batches(batch.select(rows), weights[rows.start - m_start : rows.stop - m_start], {k: v[rows] for k, v in extras.items()})
+        for out in self._schedule(micro_batches, loss_of, forward_only=False):
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + v
+        return sums
 
-            def loss_of(micro, output):
-                logprobs, entropy = self._stats(micro.batch, output, temperature)
-                loss, metrics = loss_fn(logprobs, entropy, micro.batch.loss_mask, micro.extras)
-                metrics = {"loss": loss.detach(), "entropy": entropy.detach(), **metrics}
-                sums_here = {k: (v * micro.batch.loss_mask).sum().detach() for k, v in metrics.items()}
-                # the schedule divides by the number of micro-batches and DDP averages over data-parallel
-                # ranks: undo both, the weights already normalise over the whole mini-batch
-                total = (loss * micro.weights).sum() * len(micro_batches) * dp_size
-                return total, sums_here
+    def _zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
 
-            self._set_lr(lr)
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            for out in self._schedule(micro_batches, loss_of, forward_only=False):
-                for k, v in out.items():
-                    sums[k] = sums.get(k, 0.0) + v
-            _, grad_norm, _ = self.optimizer.step()
-            grad_norms.append(float(grad_norm or 0.0))
-            self.step += 1
-        totals = vocab.sum_over_data_and_pipeline(sums, float(batch.loss_mask.sum()))
-        seconds = time.perf_counter() - started
-        out = {f"train/{k}": v for k, v in totals.items()}
-        out.update({
-            "train/grad_norm": sum(grad_norms) / len(grad_norms),
-            "train/tokens_per_s": float(batch.attention_mask.sum()) / seconds,
-            "train/step": float(self.step),
-        })
-        return out
+    def _optimizer_step(self) -> float:
+        _, grad_norm, _ = self.optimizer.step()
+        return float(grad_norm or 0.0)
 
-    def _set_lr(self, lr: float | None) -> None:
-        value = lr if lr is not None else self.cfg.lr * min(1.0, (self.step + 1) / max(self.cfg.warmup_steps, 1))
-        for group in self.optimizer.param_groups:
-            group["lr"] = value
+    def _totals(self, sums: dict, tokens: float) -> dict[str, float]:
+        return vocab.sum_over_data_and_pipeline(sums, tokens)
+
+    def _is_writer(self) -> bool:
+        return dist.get_rank() == 0
+
+    def _barrier(self) -> None:
+        dist.barrier()

@@ -1,0 +1,101 @@
+"""The trainer backends behind one factory: `train.backend` picks torch or megatron-core.
+
+Everything a task or an actor does with a trainer goes through here: build it from an HF
+checkpoint (`make_trainer`), convert an HF checkpoint into the backend's own format
+(`convert_checkpoint`), load that format (`load_trainer`), export it as the next policy
+(`export_policy`), and PPO's critic beside it (`new_critic`, `load_critic`). The critic is a torch
+model whichever backend trains the policy; on megatron every rank holds a replica and trains it
+on the whole batch alike.
+
+megatron-core is imported only when the megatron backend is asked for (an optional library).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from miles_core.config import AlgoConfig, TrainConfig
+from miles_core.samples import Sample
+from miles_core.step import StepFns, train_step
+from miles_core.train.base import Trainer
+from miles_core.train.torch_backend import TorchCritic, TorchTrainer
+from miles_core.weights.publish import copy_tokenizer, publish
+
+
+def _backend(cfg: TrainConfig):
+    if cfg.backend == "megatron":
+        from miles_core.train.megatron.trainer import MegatronTrainer  # optional backend: imported where used
+
+        return MegatronTrainer
+    return TorchTrainer
+
+
+def make_trainer(cfg: TrainConfig, policy_dir: str) -> Trainer:
+    """A fresh trainer (no optimizer state) on an HF checkpoint, e.g. the KL reference."""
+    return _backend(cfg).from_hf(policy_dir, cfg)
+
+
+def load_trainer(cfg: TrainConfig, ckpt_dir: str) -> Trainer:
+    """A trainer resumed from the backend's checkpoint (model, optimizer, RNG, step)."""
+    return _backend(cfg).load(ckpt_dir, cfg)
+
+
+def convert_checkpoint(cfg: TrainConfig, algo: AlgoConfig, policy_dir: str, out_dir: Path) -> None:
+    """HF checkpoint -> the backend's checkpoint in out_dir (with a fresh critic for PPO, and the tokenizer)."""
+    if cfg.backend == "megatron":
+        from miles_core.checkpoint.torch_dist import hf_to_torch_dist  # optional backend: imported where used
+
+        hf_to_torch_dist(policy_dir, out_dir, cfg.seed)
+    else:
+        TorchTrainer.from_hf(policy_dir, cfg).save(str(out_dir))
+    new_critic(algo, cfg, policy_dir, out_dir)
+    copy_tokenizer(policy_dir, out_dir)
+
+
+def export_policy(cfg: TrainConfig, ckpt_dir: str, out_dir: Path, dtype: str, version: int, parent_version: int | None) -> dict:
+    """The checkpoint's policy as an HF safetensors directory with its lineage manifest; returns the manifest."""
+    if cfg.backend == "megatron":
+        from miles_core.checkpoint.torch_dist import TorchDistCheckpoint  # optional backend: imported where used
+
+        return publish(TorchDistCheckpoint(ckpt_dir), ckpt_dir, out_dir, dtype, version, parent_version)
+    return publish(TorchTrainer.load(ckpt_dir, cfg), ckpt_dir, out_dir, dtype, version, parent_version)
+
+
+def save_checkpoint(trainer: Trainer, critic: Trainer | None, out_dir: Path, tokenizer_dir: str) -> None:
+    """The trainer's checkpoint (and the critic beside it) written atomically to out_dir, with the tokenizer."""
+    also = (lambda tmp: critic.save(str(Path(tmp) / "critic"))) if critic is not None else None
+    trainer.save_atomically(out_dir, tokenizer_dir, also=also)
+
+
+def train_checkpoint(cfg: TrainConfig, fns: StepFns, ckpt_dir: str, samples: list[Sample], reference_dir: str, out_dir: Path,
+                     iteration: int) -> tuple[int, dict[str, float]]:
+    """The train stage from a checkpoint to the next: load, `step.train_step`, save atomically to out_dir,
+    the after_save hook. Returns (optimizer steps so far, metrics).
+
+    Run by every process of the train task: each trains its data-parallel share of the batch.
+    """
+    trainer = load_trainer(cfg, ckpt_dir)
+    critic = load_critic(fns.algo, cfg, ckpt_dir)
+    reference = make_trainer(cfg, reference_dir) if fns.algo.kl_coef > 0 else None
+    metrics = train_step(trainer, samples, fns, AutoTokenizer.from_pretrained(ckpt_dir).pad_token_id, reference, critic, iteration)
+    save_checkpoint(trainer, critic, out_dir, ckpt_dir)
+    fns.after_save(str(out_dir), iteration)
+    return trainer.step, metrics
+
+
+def _critic_cfg(algo: AlgoConfig, cfg: TrainConfig) -> TrainConfig:
+    return dataclasses.replace(cfg, lr=algo.critic_lr)
+
+
+def new_critic(algo: AlgoConfig, cfg: TrainConfig, policy_dir: str, ckpt_dir) -> None:
+    """PPO: a fresh critic (the policy's transformer with a value head) saved beside a new checkpoint."""
+    if algo.advantage == "ppo":
+        TorchCritic.from_hf(policy_dir, _critic_cfg(algo, cfg)).save(str(Path(ckpt_dir) / "critic"))
+
+
+def load_critic(algo: AlgoConfig, cfg: TrainConfig, ckpt_dir: str) -> TorchCritic | None:
+    """The critic saved beside a checkpoint (PPO), else None."""
+    return TorchCritic.load(str(Path(ckpt_dir) / "critic"), _critic_cfg(algo, cfg)) if algo.advantage == "ppo" else None
