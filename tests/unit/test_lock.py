@@ -2,9 +2,11 @@
 image's requirements.in) is pinned, with hashes, at a version its range allows, and the
 project's environment holds exactly the locked versions (`make lock` refreshes them)."""
 
+import json
 import re
+import subprocess
+import sys
 import tomllib
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -46,9 +48,19 @@ def test_every_requirement_is_pinned_within_its_range(lock, wanted):
             f"{lock}: {req.name}=={pinned[name]} is outside {req.specifier}: run `make lock`")
 
 
+def installed_packages() -> dict[str, str]:
+    """{canonical name: version} of the environment as a fresh interpreter of it sees it (isolated
+    mode: this process's sys.path, which tests and plug-ins extend, does not count)."""
+    listing = subprocess.run([sys.executable, "-I", "-c", LIST], capture_output=True, text=True, check=True).stdout
+    return {canonicalize_name(name): version for name, version in json.loads(listing)}
+
+
+LIST = "import json, importlib.metadata as m; print(json.dumps([(d.metadata['Name'], d.version) for d in m.distributions()]))"
+
+
 def test_environment_matches_the_lock():
     pinned = pins(REPO / "requirements.lock")
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    installed = installed_packages()
     installed.pop("miles-flyte", None)
     installed.pop("pip", None)  # the venv's own installer, not a dependency
     assert {n: v for n, v in installed.items() if pinned.get(n) != v} == {}, "installed packages differ from requirements.lock: run `make setup`"
