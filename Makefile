@@ -28,6 +28,8 @@ run: setup
 	cfg="$$($(PY) -m miles_core.config $(RECIPE) $(ARGS))" && $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
 
 test: setup sglang-env
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 test-fast: setup

@@ -75,9 +75,23 @@ def run_sync(cfg, start, prompts, ckpt_dir: str, steps: int, threads: int):
 
 def run_async(cfg, start, prompts, ckpt_dir: str, steps: int, out: str):
     spec = PhaseSpec(
-        cfg=cfg.async_phase, rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, train=cfg.train, hooks=cfg.hooks,
-        source_fn=plugin(cfg.data, "data", "source_fn"), seed=cfg.data.seed, prompts=prompts, state=DataState(), waiting=[],
-        ckpt_dir=ckpt_dir, policy_dir=start.dir.path, version=start.version, reference_dir=start.dir.path, first_iteration=0, steps=steps,
+        cfg=cfg.async_phase,
+        rollout=cfg.rollout,
+        reward=cfg.reward,
+        algo=cfg.algo,
+        train=cfg.train,
+        hooks=cfg.hooks,
+        source_fn=plugin(cfg.data, "data", "source_fn"),
+        seed=cfg.data.seed,
+        prompts=prompts,
+        state=DataState(),
+        waiting=[],
+        ckpt_dir=ckpt_dir,
+        policy_dir=start.dir.path,
+        version=start.version,
+        reference_dir=start.dir.path,
+        first_iteration=0,
+        steps=steps,
     )
     result = run_phase(spec, out)
     m = result.metrics
@@ -92,8 +106,12 @@ def summary(consumed, rewards, startup_s: float, run_s: float) -> dict:
     samples = sum(len(b) for b in consumed)
     tokens = sum(len(s.response_tokens) for b in consumed for s in b)
     return {
-        "samples_per_s": round(samples / run_s, 2), "tokens_per_s": round(tokens / run_s, 1), "run_s": round(run_s, 2),
-        "startup_s": round(startup_s, 1), "samples": samples, "final_reward": round(statistics.fmean(rewards[-3:]), 3),
+        "samples_per_s": round(samples / run_s, 2),
+        "tokens_per_s": round(tokens / run_s, 1),
+        "run_s": round(run_s, 2),
+        "startup_s": round(startup_s, 1),
+        "samples": samples,
+        "final_reward": round(statistics.fmean(rewards[-3:]), 3),
     }
 
 
@@ -122,14 +140,24 @@ def main() -> None:
     async_, async_engine = run_async(cfg, start, prompts, ckpt.dir.path, args.steps, str(root / "async-ckpt"))
     ray.shutdown()
     sync["held_out_accuracy"], async_["held_out_accuracy"] = held_out(cfg, sync_engine, dataset, tokenizer), held_out(cfg, async_engine, dataset, tokenizer)
-    print(json.dumps({
-        "bench": "async_vs_sync", "recipe": args.recipe, "steps": args.steps, "overrides": args.overrides, "threads_per_process": args.threads,
-        "rollout_workers": cfg.async_phase.rollout_workers, "cores": os.cpu_count(),
-        "sync": sync, "async": async_,
-        "ratio_samples_per_s": round(async_["samples_per_s"] / sync["samples_per_s"], 2),
-        "ratio_tokens_per_s": round(async_["tokens_per_s"] / sync["tokens_per_s"], 2),
-        "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "async_vs_sync",
+                "recipe": args.recipe,
+                "steps": args.steps,
+                "overrides": args.overrides,
+                "threads_per_process": args.threads,
+                "rollout_workers": cfg.async_phase.rollout_workers,
+                "cores": os.cpu_count(),
+                "sync": sync,
+                "async": async_,
+                "ratio_samples_per_s": round(async_["samples_per_s"] / sync["samples_per_s"], 2),
+                "ratio_tokens_per_s": round(async_["tokens_per_s"] / sync["tokens_per_s"], 2),
+                "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

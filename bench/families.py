@@ -35,8 +35,15 @@ def main() -> None:
         recipe = f"recipes/{FAMILIES[family]}.yaml"
         cfg = load_recipe(recipe)
         iterations = args.iterations or cfg.iterations
-        run_workflow(recipe, root, str(root / ".flyte-home"), f"name={family}", f"iterations={iterations}",
-                     "tracking.experiment=families", f"evaluation.interval={max(iterations // 6, 1)}")
+        run_workflow(
+            recipe,
+            root,
+            str(root / ".flyte-home"),
+            f"name={family}",
+            f"iterations={iterations}",
+            "tracking.experiment=families",
+            f"evaluation.interval={max(iterations // 6, 1)}",
+        )
         client, runs = mlflow_runs(root)
         run = max((r for r in runs if r.info.run_name.rsplit("-", 1)[0] == family), key=lambda r: r.info.start_time)
         accuracy = metric(client, run, "eval_accuracy")

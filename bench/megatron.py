@@ -22,10 +22,10 @@ import torch
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/ (whose megatron.py would shadow megatron-core)
 
-from bench.trainer import batch
-from miles_core.config import ModelConfig, RolloutConfig, TrainConfig
-from miles_core.models.tiny import build_tiny_model
-from miles_core.step import bind, optimize
+from bench.trainer import batch  # noqa: E402
+from miles_core.config import ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
+from miles_core.models.tiny import build_tiny_model  # noqa: E402
+from miles_core.step import bind, optimize  # noqa: E402
 
 
 def time_steps(trainer, sequences: int, group: int, steps: int) -> dict:
@@ -38,7 +38,12 @@ def time_steps(trainer, sequences: int, group: int, steps: int) -> dict:
         optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=group, temperature=1.0)), 0)
         times.append(time.perf_counter() - started)
     best = min(times)
-    return {"step_s_best": round(best, 4), "step_s_median": round(sorted(times)[len(times) // 2], 4), "tokens_per_s": round(tokens / best, 1), "tokens_per_step": tokens}
+    return {
+        "step_s_best": round(best, 4),
+        "step_s_median": round(sorted(times)[len(times) // 2], 4),
+        "tokens_per_s": round(tokens / best, 1),
+        "tokens_per_step": tokens,
+    }
 
 
 def megatron_worker(model_dir: str, tp: int, sequences: int, group: int, steps: int) -> None:
@@ -59,7 +64,7 @@ def run_megatron(model_dir: str, nproc: int, tp: int, args) -> dict:
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise RuntimeError(out.stderr[-3000:])
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -77,13 +82,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(ModelConfig(), f"{tmp}/m")
         torch_1 = time_steps(TorchTrainer.from_hf(model_dir, TrainConfig()), args.sequences, args.group, args.steps)
-        runs = {"megatron_1proc": run_megatron(model_dir, 1, 1, args), "megatron_2proc_dp2": run_megatron(model_dir, 2, 1, args),
-                "megatron_2proc_tp2": run_megatron(model_dir, 2, 2, args)}
-    print(json.dumps({
-        "bench": "megatron", "model": "tiny qwen2 (hidden 128, 4 layers)", "sequences": args.sequences, "torch_1proc": torch_1, **runs,
-        **{f"speed_ratio_{name}_vs_torch_1proc": round(run["tokens_per_s"] / torch_1["tokens_per_s"], 3) for name, run in runs.items()},
-        "load_average_1min": round(os.getloadavg()[0], 2),
-    }))
+        runs = {
+            "megatron_1proc": run_megatron(model_dir, 1, 1, args),
+            "megatron_2proc_dp2": run_megatron(model_dir, 2, 1, args),
+            "megatron_2proc_tp2": run_megatron(model_dir, 2, 2, args),
+        }
+    print(
+        json.dumps(
+            {
+                "bench": "megatron",
+                "model": "tiny qwen2 (hidden 128, 4 layers)",
+                "sequences": args.sequences,
+                "torch_1proc": torch_1,
+                **runs,
+                **{f"speed_ratio_{name}_vs_torch_1proc": round(run["tokens_per_s"] / torch_1["tokens_per_s"], 3) for name, run in runs.items()},
+                "load_average_1min": round(os.getloadavg()[0], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -55,12 +55,22 @@ def main() -> None:
         trainer.export_hf(str(out), "float32")
         tokenizer.save_pretrained(out)
         evaluation = evaluate(TorchEngine(str(out)), load_prompts(test_file), tokenizer, bind(reward=cfg.reward, evaluation=cfg.evaluation))
-    print(json.dumps({
-        "bench": "rl_vs_sft", "recipe": args.recipe, "heldout_prompts": int(evaluation["eval/prompts"]),
-        "accuracy_sft_start": accuracy[0], "accuracy_after_rl": accuracy[max(accuracy)], "rl_phase_s": round(rl_seconds, 1),
-        "accuracy_after_further_sft": evaluation["eval/accuracy"], "further_sft_s": round(sft_seconds, 1), "further_sft_steps": steps,
-        "rl_curve": [round(accuracy[k], 3) for k in sorted(accuracy)],
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "rl_vs_sft",
+                "recipe": args.recipe,
+                "heldout_prompts": int(evaluation["eval/prompts"]),
+                "accuracy_sft_start": accuracy[0],
+                "accuracy_after_rl": accuracy[max(accuracy)],
+                "rl_phase_s": round(rl_seconds, 1),
+                "accuracy_after_further_sft": evaluation["eval/accuracy"],
+                "further_sft_s": round(sft_seconds, 1),
+                "further_sft_steps": steps,
+                "rl_curve": [round(accuracy[k], 3) for k in sorted(accuracy)],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -13,10 +13,16 @@ REPO = Path(__file__).resolve().parents[1]
 def run_workflow(recipe: str, root: Path, home: str, *overrides: str) -> None:
     """One local execution of workflows/rl.py with `recipe` (plus key=value overrides) under `root`;
     `home` holds its Flyte cache, so benchmarks sharing a home share cached stages."""
-    cfg = subprocess.run([sys.executable, "-m", "miles_core.config", recipe, f"run_root={root}", *overrides],
-                         cwd=REPO, capture_output=True, text=True, check=True).stdout
-    out = subprocess.run([str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rl.py", "rl", "--cfg", cfg],
-                         cwd=REPO, env={**os.environ, "HOME": home}, capture_output=True, text=True)
+    cfg = subprocess.run(
+        [sys.executable, "-m", "miles_core.config", recipe, f"run_root={root}", *overrides], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rl.py", "rl", "--cfg", cfg],
+        cwd=REPO,
+        env={**os.environ, "HOME": home},
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         raise RuntimeError(f"{recipe}: workflow failed\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
 

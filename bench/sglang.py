@@ -84,8 +84,16 @@ def main() -> None:
 
         def run_hf() -> int:
             with torch.inference_mode():
-                out = hf_model.generate(input_ids=expanded, attention_mask=torch.ones_like(expanded), do_sample=True, temperature=1.0,
-                                        top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, pad_token_id=0)
+                out = hf_model.generate(
+                    input_ids=expanded,
+                    attention_mask=torch.ones_like(expanded),
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=args.new_tokens,
+                    pad_token_id=0,
+                )
             return out[:, expanded.shape[1] :].numel()
 
         best = best_times({"sglang": tokens_of(engine), "torch_engine": tokens_of(torch_engine), "hf": run_hf}, args.repeats)
@@ -95,20 +103,29 @@ def main() -> None:
         updates = time_updates(engine, policy_dir, tensors, args.updates)
     finally:
         engine.close()
-    print(json.dumps({
-        "sglang_tokens_per_s": round(tps["sglang"], 1),
-        "torch_engine_tokens_per_s": round(tps["torch_engine"], 1),
-        "hf_generate_tokens_per_s": round(tps["hf"], 1),
-        "ratio_sglang_over_torch_engine": round(tps["sglang"] / tps["torch_engine"], 3),
-        "ratio_sglang_over_hf": round(tps["sglang"] / tps["hf"], 3),
-        "weights_mb": round(megabytes, 2),
-        "update_from_disk_s_per_mb": round(updates["disk"] / megabytes, 5),
-        "update_distributed_s_per_mb": round(updates["distributed"] / megabytes, 5),
-        "ratio_distributed_over_disk": round(updates["distributed"] / updates["disk"], 3),
-        "batch": args.batch, "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "vocab": args.vocab, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
-        "load_average_1m": round(os.getloadavg()[0], 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "sglang_tokens_per_s": round(tps["sglang"], 1),
+                "torch_engine_tokens_per_s": round(tps["torch_engine"], 1),
+                "hf_generate_tokens_per_s": round(tps["hf"], 1),
+                "ratio_sglang_over_torch_engine": round(tps["sglang"] / tps["torch_engine"], 3),
+                "ratio_sglang_over_hf": round(tps["sglang"] / tps["hf"], 3),
+                "weights_mb": round(megabytes, 2),
+                "update_from_disk_s_per_mb": round(updates["disk"] / megabytes, 5),
+                "update_distributed_s_per_mb": round(updates["distributed"] / megabytes, 5),
+                "ratio_distributed_over_disk": round(updates["distributed"] / updates["disk"], 3),
+                "batch": args.batch,
+                "n": args.n,
+                "prompt_len": args.prompt_len,
+                "new_tokens": args.new_tokens,
+                "vocab": args.vocab,
+                "repeats": args.repeats,
+                "torch_threads": torch.get_num_threads(),
+                "load_average_1m": round(os.getloadavg()[0], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Trainer throughput: GRPO steps of the torch backend on the default tiny model. Prints one JSON object.
 
-    python bench/trainer.py [--sequences 256] [--steps 5]
+python bench/trainer.py [--sequences 256] [--steps 5]
 """
 
 import argparse
@@ -21,8 +21,19 @@ from miles_core.train.torch_backend import TorchTrainer
 def batch(n: int, group: int, rng: random.Random) -> list[Sample]:
     """Addition-shaped samples: 14 prompt tokens, 4 response tokens, binary rewards."""
     return [
-        Sample(f"p{i // group}", i % group, [rng.randrange(3, 300) for _ in range(14)], [rng.randrange(3, 300) for _ in range(3)] + [2],
-               [-1.0] * 4, [1] * 4, "stop", 0, "", {}, float(rng.random() < 0.5))
+        Sample(
+            f"p{i // group}",
+            i % group,
+            [rng.randrange(3, 300) for _ in range(14)],
+            [rng.randrange(3, 300) for _ in range(3)] + [2],
+            [-1.0] * 4,
+            [1] * 4,
+            "stop",
+            0,
+            "",
+            {},
+            float(rng.random() < 0.5),
+        )
         for i in range(n)
     ]
 
@@ -45,12 +56,21 @@ def main() -> None:
             optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=args.group, temperature=1.0)), 0)
             times.append(time.perf_counter() - started)
     best = min(times)
-    print(json.dumps({
-        "bench": "trainer", "backend": "torch", "sequences": args.sequences, "tokens_per_step": tokens,
-        "step_s_best": round(best, 4), "step_s_median": round(sorted(times)[len(times) // 2], 4),
-        "tokens_per_s": round(tokens / best, 1), "torch_threads": torch.get_num_threads(),
-        "note": "one GRPO step = old-logprob recompute + forward/backward + AdamW",
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "trainer",
+                "backend": "torch",
+                "sequences": args.sequences,
+                "tokens_per_step": tokens,
+                "step_s_best": round(best, 4),
+                "step_s_median": round(sorted(times)[len(times) // 2], 4),
+                "tokens_per_s": round(tokens / best, 1),
+                "torch_threads": torch.get_num_threads(),
+                "note": "one GRPO step = old-logprob recompute + forward/backward + AdamW",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -144,7 +144,10 @@ class SampleBuffer:
         """What the next phase needs and what this one measured; the buffer is empty afterwards."""
         ready, self._ready = self._ready, []
         return {
-            "groups": ready, "state": self._source.state, "dropped": list(self.dropped), "filtered": list(self.filtered),
+            "groups": ready,
+            "state": self._source.state,
+            "dropped": list(self.dropped),
+            "filtered": list(self.filtered),
             "restarts": sum(self.registrations.values()) - len(self.registrations),
             "rollout": dict(self.rollout_stats),
         }

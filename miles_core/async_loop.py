@@ -167,13 +167,19 @@ class RolloutWorker:
                 continue
             idle, started = time.perf_counter() - idle_since, time.perf_counter()
             scorer = scorer_of(self.fns, self.tokenizer)
-            samples, left, _ = self.fns.rollout_fn(TurnTakingEngine(self.engine, self._engine_turn), LeasedPrompts(prompts), self.tokenizer,
-                                                   self.fns, scorer, [], rollout_seed(self.spec.rollout, prompts[0].metadata["draw"]))
+            samples, left, _ = self.fns.rollout_fn(
+                TurnTakingEngine(self.engine, self._engine_turn),
+                LeasedPrompts(prompts),
+                self.tokenizer,
+                self.fns,
+                scorer,
+                [],
+                rollout_seed(self.spec.rollout, prompts[0].metadata["draw"]),
+            )
             groups = groups_of(samples, self.spec.rollout.n_samples) + left
             scorer([s for g in groups for s in g])  # without dynamic sampling nothing is scored yet
             delivered = {draw_of(g) for g in groups}
-            stats = {"samples": len(samples), "tokens": sum(len(s.response_tokens) for s in samples),
-                     "busy_s": time.perf_counter() - started, "idle_s": idle}
+            stats = {"samples": len(samples), "tokens": sum(len(s.response_tokens) for s in samples), "busy_s": time.perf_counter() - started, "idle_s": idle}
             filtered = [p.metadata["draw"] for p in prompts if p.metadata["draw"] not in delivered]
             ray.get(self.buffer.deliver.remote(self.index, groups, stats, filtered))
             served, idle_since = served + 1, time.perf_counter()
@@ -195,8 +201,9 @@ class RolloutWorker:
             yield
 
 
-def generate_segmented(engine, prompts: list[Prompt], tokenizer, params: SamplingParams, *, generate_fn, rollout: RolloutConfig,
-                       cfg: AsyncConfig) -> tuple[list[Sample], dict]:
+def generate_segmented(
+    engine, prompts: list[Prompt], tokenizer, params: SamplingParams, *, generate_fn, rollout: RolloutConfig, cfg: AsyncConfig
+) -> tuple[list[Sample], dict]:
     """`rollout.generate_fn` in segments (partial rollout): each engine call generates at most
     cfg.partial_segment_tokens tokens, and a weight update may land between calls, so a response
     continues under the newer weights. Each sample's weight_version is the oldest policy among the
@@ -239,7 +246,9 @@ class AsyncTrainer:
         torch.set_num_threads(spec.cfg.threads_per_actor)
         parallel = spec.train.tensor_parallel * spec.train.pipeline_parallel * spec.train.expert_parallel
         if spec.train.backend == "megatron" and parallel != 1:
-            raise AsyncPhaseError(f"the async phase trains in one process: train.tensor_parallel x pipeline_parallel x expert_parallel must be 1, got {parallel}")
+            raise AsyncPhaseError(
+                f"the async phase trains in one process: train.tensor_parallel x pipeline_parallel x expert_parallel must be 1, got {parallel}"
+            )
         self.spec, self.version, self.fns = spec, spec.version, spec_fns(spec)
         self.trainer = load_trainer(spec.train, spec.ckpt_dir)
         self.reference = make_trainer(spec.train, spec.reference_dir) if spec.algo.kl_coef > 0 else None
@@ -258,11 +267,17 @@ class AsyncTrainer:
             metrics.update(train_step(self.trainer, samples, self.fns, self.tokenizer.pad_token_id, self.reference, None, iteration))
             self.version += 1
             due = (i + 1) % spec.cfg.update_weights_interval == 0 and i + 1 < spec.steps
-            metrics.update({
-                "async/trainer_idle_s": idle, "async/weight_push_s": self._push(buffer, workers) if due else 0.0, "async/queue_depth": float(depth),
-                "async/staleness_mean": statistics.fmean(staleness), "async/staleness_max": float(max(staleness)),
-                "async/weight_version": float(self.version), "rollout/response_length": statistics.fmean(len(s.response_tokens) for s in samples),
-            })
+            metrics.update(
+                {
+                    "async/trainer_idle_s": idle,
+                    "async/weight_push_s": self._push(buffer, workers) if due else 0.0,
+                    "async/queue_depth": float(depth),
+                    "async/staleness_mean": statistics.fmean(staleness),
+                    "async/staleness_max": float(max(staleness)),
+                    "async/weight_version": float(self.version),
+                    "rollout/response_length": statistics.fmean(len(s.response_tokens) for s in samples),
+                }
+            )
             consumed.append(samples)
             steps.append(metrics)
         return consumed, steps
@@ -274,8 +289,10 @@ class AsyncTrainer:
         while (taken := ray.get(buffer.take.remote(self.spec.rollout.prompts_per_step, min_version)))[0] is None:
             waited = time.perf_counter() - started
             if waited > self.spec.cfg.take_timeout_s:
-                raise AsyncPhaseError(f"the trainer waited {waited:.0f} s (async_phase.take_timeout_s) for {self.spec.rollout.prompts_per_step} "
-                                      f"groups of weight version >= {min_version}: are the rollout actors alive?")
+                raise AsyncPhaseError(
+                    f"the trainer waited {waited:.0f} s (async_phase.take_timeout_s) for {self.spec.rollout.prompts_per_step} "
+                    f"groups of weight version >= {min_version}: are the rollout actors alive?"
+                )
             time.sleep(0.01)
         return taken[0], taken[1], time.perf_counter() - started
 
@@ -288,8 +305,10 @@ class AsyncTrainer:
         acks = [w.update_weights.remote(ref, self.version) for w in workers]
         done, pending = ray.wait(acks, num_returns=len(acks), timeout=timeout)
         if pending:
-            raise AsyncPhaseError(f"weight push of version {self.version} not acknowledged by {len(pending)} of {len(workers)} rollout "
-                                  f"actors within async_phase.push_timeout_s = {timeout} s")
+            raise AsyncPhaseError(
+                f"weight push of version {self.version} not acknowledged by {len(pending)} of {len(workers)} rollout "
+                f"actors within async_phase.push_timeout_s = {timeout} s"
+            )
         ray.get(done)
         return time.perf_counter() - started
 
@@ -323,7 +342,9 @@ def run_phase(spec: PhaseSpec, ckpt_out: str, policy_out: str | None = None, dty
     spec_ref = ray.put(spec)  # held until the phase ends: a restarting actor reads its arguments again
     worker_cls = ray.remote(RolloutWorker)
     workers = [
-        worker_cls.options(name=ROLLOUT_ACTOR.format(i), num_cpus=cfg.worker_cpus, max_concurrency=2, max_restarts=cfg.max_restarts, max_task_retries=-1).remote(i, spec_ref, buffer)
+        worker_cls.options(
+            name=ROLLOUT_ACTOR.format(i), num_cpus=cfg.worker_cpus, max_concurrency=2, max_restarts=cfg.max_restarts, max_task_retries=-1
+        ).remote(i, spec_ref, buffer)
         for i in range(cfg.rollout_workers)
     ]
     trainer = ray.remote(AsyncTrainer).options(num_cpus=cfg.trainer_cpus).remote(spec_ref)

@@ -79,11 +79,26 @@ def check_plugins(run_cfg) -> None:
 
 # The plug-points each stage runs: the code its cache version must follow besides its own modules.
 STAGE_PLUGPOINTS: dict[str, tuple[str, ...]] = {
-    "rollout": ("data.source_fn", "rollout.rollout_fn", "rollout.generate_fn", "rollout.dynamic_filter_fn", "rollout.buffer_filter_fn",
-                "reward.fn", "reward.group_fn", "reward.post_fn"),  # dynamic sampling scores during the rollout
+    "rollout": (
+        "data.source_fn",
+        "rollout.rollout_fn",
+        "rollout.generate_fn",
+        "rollout.dynamic_filter_fn",
+        "rollout.buffer_filter_fn",
+        "reward.fn",
+        "reward.group_fn",
+        "reward.post_fn",
+    ),  # dynamic sampling scores during the rollout
     "score": ("reward.fn", "reward.group_fn", "reward.post_fn", "hooks.rollout_log"),
-    "train": ("algo.advantage_fn", "algo.loss_fn", "algo.is_correction_fn", "algo.sample_filter_fn",
-              "hooks.before_train_step", "hooks.after_train_step", "hooks.after_save"),
+    "train": (
+        "algo.advantage_fn",
+        "algo.loss_fn",
+        "algo.is_correction_fn",
+        "algo.sample_filter_fn",
+        "hooks.before_train_step",
+        "hooks.after_train_step",
+        "hooks.after_save",
+    ),
     "evaluate": ("evaluation.fn", "rollout.generate_fn", "reward.fn", "reward.group_fn", "reward.post_fn"),
 }
 STAGE_PLUGPOINTS["async"] = tuple(dict.fromkeys(f for stage in ("rollout", "score", "train") for f in STAGE_PLUGPOINTS[stage]))

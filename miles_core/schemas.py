@@ -142,8 +142,12 @@ def _length(values) -> int:
 
 
 def check_batch(
-    frame: pd.DataFrame, source: str, scored: bool = False, reward_range: tuple[float, float] | None = None,
-    vocab_size: int | None = None, group_size: int | None = None,
+    frame: pd.DataFrame,
+    source: str,
+    scored: bool = False,
+    reward_range: tuple[float, float] | None = None,
+    vocab_size: int | None = None,
+    group_size: int | None = None,
 ) -> pd.DataFrame:
     """Validate a batch read from or written to `source`; raise BatchError naming what is wrong.
 
@@ -217,8 +221,12 @@ def _describe(err: SchemaErrors, frame: pd.DataFrame) -> str:
 
 
 def write_batch(
-    samples: list[Sample], path: str | Path, scored: bool = False, reward_range: tuple[float, float] | None = None,
-    vocab_size: int | None = None, group_size: int | None = None,
+    samples: list[Sample],
+    path: str | Path,
+    scored: bool = False,
+    reward_range: tuple[float, float] | None = None,
+    vocab_size: int | None = None,
+    group_size: int | None = None,
 ) -> Path:
     """Check the batch, then write it as parquet atomically (a refused batch leaves `path` as it was)."""
     frame = check_batch(to_frame(samples), str(path), scored, reward_range, vocab_size, group_size)
@@ -228,8 +236,11 @@ def write_batch(
 
 
 def read_batch(
-    path: str | Path, scored: bool = False, reward_range: tuple[float, float] | None = None,
-    vocab_size: int | None = None, group_size: int | None = None,
+    path: str | Path,
+    scored: bool = False,
+    reward_range: tuple[float, float] | None = None,
+    vocab_size: int | None = None,
+    group_size: int | None = None,
 ) -> list[Sample]:
     """Read a parquet batch and check it before anything uses it; the file itself is never changed."""
     try:

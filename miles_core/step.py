@@ -77,8 +77,13 @@ def _given(fn, keyword: str, section):
     return functools.partial(fn, **{keyword: section}) if keyword in inspect.signature(fn).parameters else fn
 
 
-def bind(rollout: RolloutConfig = RolloutConfig(), reward: RewardConfig = RewardConfig(), algo: AlgoConfig = AlgoConfig(),  # noqa: B008 (frozen)
-         hooks: HooksConfig = HooksConfig(), evaluation: EvalConfig = EvalConfig()) -> StepFns:  # noqa: B008 (frozen dataclasses)
+def bind(
+    rollout: RolloutConfig = RolloutConfig(),
+    reward: RewardConfig = RewardConfig(),
+    algo: AlgoConfig = AlgoConfig(),  # noqa: B008 (frozen)
+    hooks: HooksConfig = HooksConfig(),
+    evaluation: EvalConfig = EvalConfig(),
+) -> StepFns:  # noqa: B008 (frozen dataclasses)
     """Resolve every plug-point of the step from its config sections (a bad path fails here, naming its field)."""
     sections = {"rollout": rollout, "reward": reward, "algo": algo, "hooks": hooks}
     resolved = {name: plugin(cfg, section, name) for section, cfg in sections.items() for name in _PLUGPOINTS_OF[section]}
@@ -96,8 +101,15 @@ _PLUGPOINTS_OF = {
 
 
 def sampling_params(cfg: RolloutConfig, tokenizer, seed: int, max_new_tokens: int | None = None) -> SamplingParams:
-    return SamplingParams(n=cfg.n_samples, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          max_new_tokens=max_new_tokens or cfg.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,), seed=seed)
+    return SamplingParams(
+        n=cfg.n_samples,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=max_new_tokens or cfg.max_new_tokens,
+        stop_token_ids=(tokenizer.eos_token_id,),
+        seed=seed,
+    )
 
 
 def rollout_seed(cfg: RolloutConfig, position: int) -> int:
@@ -109,8 +121,17 @@ def groups_of(samples: list[Sample], n: int) -> list[Group]:
     return [samples[i : i + n] for i in range(0, len(samples), n)]
 
 
-def run_step(engine: RolloutEngine, source, tokenizer, fns: StepFns, trainer: Trainer, buffer: list[Group], iteration: int,
-             reference: Trainer | None = None, critic: Trainer | None = None) -> tuple[list[Sample], list[Group], dict]:
+def run_step(
+    engine: RolloutEngine,
+    source,
+    tokenizer,
+    fns: StepFns,
+    trainer: Trainer,
+    buffer: list[Group],
+    iteration: int,
+    reference: Trainer | None = None,
+    critic: Trainer | None = None,
+) -> tuple[list[Sample], list[Group], dict]:
     """One whole RL step in this process (publishing is the caller's: it owns where weights go)."""
     samples, buffer, metrics = fns.rollout_fn(engine, source, tokenizer, fns, scorer_of(fns, tokenizer), buffer, rollout_seed(fns.rollout, iteration))
     metrics.update(score_batch(samples, fns, tokenizer, iteration, metrics))
@@ -153,16 +174,18 @@ def rollout(engine: RolloutEngine, source, tokenizer, fns: StepFns, scorer, buff
         groups = groups_of(samples, cfg.n_samples)[: cfg.prompts_per_step]
     batch, buffer = groups[: cfg.prompts_per_step], buffer + groups[cfg.prompts_per_step :]
     metrics = {k: sum(m[k] for m in round_metrics) / len(round_metrics) for k in round_metrics[0]} if round_metrics else {}
-    metrics.update({
-        "time/rollout_s": sum(m.get("time/rollout_s", 0.0) for m in round_metrics),
-        "rollout/rounds": float(len(rounds)),
-        "rollout/generated_samples": float(generated),
-        "rollout/buffer_taken_groups": float(taken),
-        "rollout/buffer_groups": float(len(buffer)),
-        "rollout/batch_groups": float(len(batch)),
-        "rollout/dropped_groups": float(sum(dropped.values())),
-        **{f"rollout/dropped_{reason}": float(count) for reason, count in dropped.items()},
-    })
+    metrics.update(
+        {
+            "time/rollout_s": sum(m.get("time/rollout_s", 0.0) for m in round_metrics),
+            "rollout/rounds": float(len(rounds)),
+            "rollout/generated_samples": float(generated),
+            "rollout/buffer_taken_groups": float(taken),
+            "rollout/buffer_groups": float(len(buffer)),
+            "rollout/batch_groups": float(len(batch)),
+            "rollout/dropped_groups": float(sum(dropped.values())),
+            **{f"rollout/dropped_{reason}": float(count) for reason, count in dropped.items()},
+        }
+    )
     return [s for g in batch for s in g], buffer, metrics
 
 
@@ -178,9 +201,16 @@ def generate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, params: Sa
     groups = engine.generate(prompt_ids, params)
     samples = [
         Sample(
-            prompt_id=p.id, index=i, prompt_tokens=tokens, response_tokens=g.tokens, rollout_logprobs=g.logprobs,
-            loss_mask=[1] * len(g.tokens), finish_reason=g.finish_reason, weight_version=g.weight_version,
-            label=p.label, metadata=p.metadata,
+            prompt_id=p.id,
+            index=i,
+            prompt_tokens=tokens,
+            response_tokens=g.tokens,
+            rollout_logprobs=g.logprobs,
+            loss_mask=[1] * len(g.tokens),
+            finish_reason=g.finish_reason,
+            weight_version=g.weight_version,
+            label=p.label,
+            metadata=p.metadata,
         )
         for p, tokens, group in zip(prompts, prompt_ids, groups)
         for i, g in enumerate(group)
@@ -261,8 +291,14 @@ def clamp_rewards(samples: list[Sample], cfg: RewardConfig) -> int:
     out = [s for s in samples if not cfg.min <= s.reward <= cfg.max]
     if out:
         named = ", ".join(f"{sample_id_of(s.prompt_id, s.index)}={s.reward}" for s in out[:8])
-        log.warning("%d reward(s) outside [reward.min, reward.max] = [%s, %s] after reward.post_fn, clamped: %s%s",
-                    len(out), cfg.min, cfg.max, named, ", ..." if len(out) > 8 else "")
+        log.warning(
+            "%d reward(s) outside [reward.min, reward.max] = [%s, %s] after reward.post_fn, clamped: %s%s",
+            len(out),
+            cfg.min,
+            cfg.max,
+            named,
+            ", ..." if len(out) > 8 else "",
+        )
     for s in out:
         s.reward = min(max(s.reward, cfg.min), cfg.max)
     return len(out)
@@ -275,8 +311,9 @@ def score_batch(samples: list[Sample], fns: StepFns, tokenizer, iteration: int, 
     return metrics
 
 
-def train_step(trainer: Trainer, samples: list[Sample], fns: StepFns, pad_id: int, reference: Trainer | None = None,
-               critic: Trainer | None = None, iteration: int = 0) -> dict:
+def train_step(
+    trainer: Trainer, samples: list[Sample], fns: StepFns, pad_id: int, reference: Trainer | None = None, critic: Trainer | None = None, iteration: int = 0
+) -> dict:
     """The train stage between the before/after train-step hooks; PPO's critic trains alone for its warm-up iterations."""
     fns.before_train_step(trainer, samples, iteration)
     train_policy = critic is None or iteration >= fns.algo.critic_warmup_steps
@@ -285,8 +322,15 @@ def train_step(trainer: Trainer, samples: list[Sample], fns: StepFns, pad_id: in
     return metrics
 
 
-def optimize(trainer: Trainer, samples: list[Sample], fns: StepFns, pad_id: int, reference: Trainer | None = None,
-             critic: Trainer | None = None, train_policy: bool = True) -> dict:
+def optimize(
+    trainer: Trainer,
+    samples: list[Sample],
+    fns: StepFns,
+    pad_id: int,
+    reference: Trainer | None = None,
+    critic: Trainer | None = None,
+    train_policy: bool = True,
+) -> dict:
     """One RL update on a scored batch: old log-probs, advantages, then the critic's and the policy's updates."""
     started, algo, cfg = time.perf_counter(), fns.algo, fns.rollout
     kept = [fns.sample_filter_fn(s) for s in samples]
@@ -307,7 +351,9 @@ def optimize(trainer: Trainer, samples: list[Sample], fns: StepFns, pad_id: int,
     extras["advantages"], returns = fns.advantage_fn(algo, rewards, batch.loss_mask, cfg.n_samples, kl, values)  # holes (tool output) are no steps
     weights_fn = functools.partial(loss_weights, mode=algo.loss_aggregation, horizon=algo.aggregation_horizon or cfg.max_new_tokens)
     if critic is not None:
-        critic_metrics = critic.train_on(batch, {"old_values": values, "returns": returns}, functools.partial(critic_loss, algo), cfg.temperature, weights_fn=weights_fn)
+        critic_metrics = critic.train_on(
+            batch, {"old_values": values, "returns": returns}, functools.partial(critic_loss, algo), cfg.temperature, weights_fn=weights_fn
+        )
         metrics.update({k.replace("train/", "critic/"): v for k, v in critic_metrics.items()})
     if train_policy:
         metrics.update(trainer.train_on(batch, extras, functools.partial(fns.loss_fn, algo), cfg.temperature, weights_fn=weights_fn))

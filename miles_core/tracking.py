@@ -26,9 +26,7 @@ def _client(uri: str):
 def start_run(uri: str, experiment: str, artifact_root: str, run_name: str, params: dict, tags: dict) -> str:
     client = _client(uri)
     found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(
-        experiment, artifact_location=Path(artifact_root).resolve().as_uri()
-    )
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment, artifact_location=Path(artifact_root).resolve().as_uri())
     run = client.create_run(experiment_id, run_name=run_name, tags={k: str(v) for k, v in tags.items()})
     from mlflow.entities import Param  # heavy import, only where tracking happens
 
@@ -89,8 +87,10 @@ def learning_verdict(before: float, after: float, prompts: float) -> tuple[bool,
     gained = after - before
     if gained * prompts > 1:
         return True, f"RL raised held-out accuracy by {100 * gained:.1f} points"
-    return False, (f"WARNING: RL did not learn: held-out accuracy {before:.3f} -> {after:.3f} ({100 * gained:+.1f} points "
-                   f"on {prompts:.0f} prompts); the MLflow run is tagged learned=false")
+    return False, (
+        f"WARNING: RL did not learn: held-out accuracy {before:.3f} -> {after:.3f} ({100 * gained:+.1f} points "
+        f"on {prompts:.0f} prompts); the MLflow run is tagged learned=false"
+    )
 
 
 def end_run(uri: str, run_id: str) -> None:

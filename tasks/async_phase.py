@@ -39,22 +39,71 @@ RAY_CLUSTER = RayJobConfig(
 )
 
 
-@task(task_config=RAY_CLUSTER, cache=True, container_image=cpu_image,
-      cache_version=cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, PublishConfig, module=__name__))
-def async_phase(cfg: AsyncConfig, rollout: RolloutConfig, data: DataConfig, reward: RewardConfig, algo: AlgoConfig, train: TrainConfig,
-                hooks: HooksConfig, publish_cfg: PublishConfig, ckpt: Checkpoint, policy: Policy, reference: Policy, dataset: Dataset,
-                state: DataState, buffer: Optional[FlyteFile], first_iteration: int, steps: int, root: str, code: str) -> AsyncPhaseResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
+@task(
+    task_config=RAY_CLUSTER,
+    cache=True,
+    container_image=cpu_image,
+    cache_version=cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, PublishConfig, module=__name__),
+)
+def async_phase(
+    cfg: AsyncConfig,
+    rollout: RolloutConfig,
+    data: DataConfig,
+    reward: RewardConfig,
+    algo: AlgoConfig,
+    train: TrainConfig,
+    hooks: HooksConfig,
+    publish_cfg: PublishConfig,
+    ckpt: Checkpoint,
+    policy: Policy,
+    reference: Policy,
+    dataset: Dataset,
+    state: DataState,
+    buffer: Optional[FlyteFile],
+    first_iteration: int,
+    steps: int,
+    root: str,
+    code: str,
+) -> AsyncPhaseResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
     batches = {"scored": True, "reward_range": (reward.min, reward.max), "vocab_size": vocab_size(policy.dir.path), "group_size": rollout.n_samples}
     waiting = read_batch(buffer.path, **batches) if buffer is not None else []
     spec = PhaseSpec(
-        cfg=cfg, rollout=rollout, reward=reward, algo=algo, train=train, hooks=hooks, source_fn=plugin(data, "data", "source_fn"), seed=data.seed,
-        prompts=load_prompts(dataset.train.path, data.input_key, data.label_key, data.metadata_key), state=state,
+        cfg=cfg,
+        rollout=rollout,
+        reward=reward,
+        algo=algo,
+        train=train,
+        hooks=hooks,
+        source_fn=plugin(data, "data", "source_fn"),
+        seed=data.seed,
+        prompts=load_prompts(dataset.train.path, data.input_key, data.label_key, data.metadata_key),
+        state=state,
         waiting=[waiting[i : i + rollout.n_samples] for i in range(0, len(waiting), rollout.n_samples)],
-        ckpt_dir=ckpt.dir.path, policy_dir=policy.dir.path, version=policy.version, reference_dir=reference.dir.path,
-        first_iteration=first_iteration, steps=steps,
+        ckpt_dir=ckpt.dir.path,
+        policy_dir=policy.dir.path,
+        version=policy.version,
+        reference_dir=reference.dir.path,
+        first_iteration=first_iteration,
+        steps=steps,
     )
-    out = artifact_path(root, "async", first_iteration, cfg, rollout, reward, algo, train, hooks, publish_cfg, ckpt.dir.path, policy.dir.path,
-                        state, buffer.path if buffer is not None else "", steps, code)
+    out = artifact_path(
+        root,
+        "async",
+        first_iteration,
+        cfg,
+        rollout,
+        reward,
+        algo,
+        train,
+        hooks,
+        publish_cfg,
+        ckpt.dir.path,
+        policy.dir.path,
+        state,
+        buffer.path if buffer is not None else "",
+        steps,
+        code,
+    )
     with atomic_dir(out) as tmp:
         result = run_phase(spec, str(tmp / "checkpoint"), str(tmp / "policy"), publish_cfg.dtype)
         for i, batch in enumerate(result.consumed):
@@ -62,14 +111,26 @@ def async_phase(cfg: AsyncConfig, rollout: RolloutConfig, data: DataConfig, rewa
         if result.buffer:
             write_batch([s for g in result.buffer for s in g], tmp / "buffer.parquet", **batches)
         version = policy.version + steps
-        ledger = {"state_before": dataclasses.asdict(state), "state_after": dataclasses.asdict(result.state), "dropped": result.dropped,
-                  "filtered": result.filtered, "weight_versions": [version - steps, version], "metrics": result.metrics}
+        ledger = {
+            "state_before": dataclasses.asdict(state),
+            "state_after": dataclasses.asdict(result.state),
+            "dropped": result.dropped,
+            "filtered": result.filtered,
+            "weight_versions": [version - steps, version],
+            "metrics": result.metrics,
+        }
         (tmp / "ledger.json").write_text(json.dumps(ledger, indent=1))  # where every drawn prompt ended, readable without Flyte
-    print(f"async phase: steps {first_iteration + 1}-{first_iteration + steps}, {result.metrics['async/samples_per_s']:.1f} samples/s, "
-          f"staleness mean {result.metrics['async/phase_staleness_mean']:.2f}, policy v{version}")
+    print(
+        f"async phase: steps {first_iteration + 1}-{first_iteration + steps}, {result.metrics['async/samples_per_s']:.1f} samples/s, "
+        f"staleness mean {result.metrics['async/phase_staleness_mean']:.2f}, policy v{version}"
+    )
     return AsyncPhaseResult(
         ckpt=Checkpoint(dir=lasting_dir(out / "checkpoint"), step=int(result.metrics["train/step"])),
-        policy=Policy(dir=lasting_dir(out / "policy"), version=version), batches=lasting_dir(out / "batches"),
-        buffer=lasting_file(out / "buffer.parquet") if result.buffer else None, state=result.state, dropped=result.dropped,
-        steps=result.steps, metrics=result.metrics,
+        policy=Policy(dir=lasting_dir(out / "policy"), version=version),
+        batches=lasting_dir(out / "batches"),
+        buffer=lasting_file(out / "buffer.parquet") if result.buffer else None,
+        state=result.state,
+        dropped=result.dropped,
+        steps=result.steps,
+        metrics=result.metrics,
     )

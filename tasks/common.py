@@ -93,7 +93,6 @@ def cache_version(*sections: type, module: str) -> str:
     return f"{miles_core.__version__}-{digest(schema)}-{code_closure(module)}"
 
 
-
 @dataclass
 class AsyncPhaseResult:
     """What an async phase of K training steps leaves for the next phase or sync iteration."""

@@ -28,7 +28,9 @@ def make_data(cfg: DataConfig, root: str) -> Dataset:
     """The problem set's splits, or the user's prompt files checked row by row and copied in."""
     out = artifact_path(root, "data", 0, cfg)
     if cfg.train_file:
-        train, test = (_checked_copy(cfg, source, out / f"{name}{Path(source).suffix}") for name, source in (("train", cfg.train_file), ("test", cfg.test_file)))
+        train, test = (
+            _checked_copy(cfg, source, out / f"{name}{Path(source).suffix}") for name, source in (("train", cfg.train_file), ("test", cfg.test_file))
+        )
     else:
         train, test = out / "train.jsonl", out / "test.jsonl"
         for rows, path in zip(make_problem_set(cfg), (train, test)):

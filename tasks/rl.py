@@ -62,7 +62,13 @@ def _prompts(dataset_file, data: DataConfig):
     return load_prompts(dataset_file.path, data.input_key, data.label_key, data.metadata_key)
 
 
-@task(cache=True, cache_version=cache_version(TrainConfig, AlgoConfig, module=__name__), container_image=cpu_image, task_config=ONE_PROCESS, requests=LOCAL_RESOURCES)
+@task(
+    cache=True,
+    cache_version=cache_version(TrainConfig, AlgoConfig, module=__name__),
+    container_image=cpu_image,
+    task_config=ONE_PROCESS,
+    requests=LOCAL_RESOURCES,
+)
 def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Checkpoint:
     """Base HF checkpoint -> the backend's checkpoint format (megatron: torch_dist, reshardable), and a fresh critic for PPO."""
     _forked_worker()
@@ -73,8 +79,18 @@ def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Ch
 
 
 @task(cache=True, cache_version=cache_version(RolloutConfig, DataConfig, RewardConfig, module=__name__), container_image=cpu_image)
-def rollout(cfg: RolloutConfig, data: DataConfig, reward: RewardConfig, policy: Policy, dataset: Dataset, state: DataState,
-            buffer: Optional[FlyteFile], iteration: int, root: str, code: str) -> RolloutResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
+def rollout(
+    cfg: RolloutConfig,
+    data: DataConfig,
+    reward: RewardConfig,
+    policy: Policy,
+    dataset: Dataset,
+    state: DataState,
+    buffer: Optional[FlyteFile],
+    iteration: int,
+    root: str,
+    code: str,
+) -> RolloutResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
     fns = bind(rollout=cfg, reward=reward)
     source = plugin(data, "data", "source_fn")(_prompts(dataset.train, data), data.seed, state)
     tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)
@@ -90,7 +106,9 @@ def rollout(cfg: RolloutConfig, data: DataConfig, reward: RewardConfig, policy: 
 
 
 @task(cache=True, cache_version=cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__), container_image=cpu_image)
-def score(cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy: Policy, batch: RolloutResult, iteration: int, root: str, code: str) -> BatchResult:
+def score(
+    cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy: Policy, batch: RolloutResult, iteration: int, root: str, code: str
+) -> BatchResult:
     shape = {"vocab_size": vocab_size(policy.dir.path), "group_size": rollout.n_samples}
     samples = read_batch(batch.batch.path, **shape)
     metrics = score_batch(samples, bind(rollout=rollout, reward=cfg, hooks=hooks), AutoTokenizer.from_pretrained(policy.dir.path), iteration, batch.metrics)
@@ -99,20 +117,45 @@ def score(cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy:
     return BatchResult(batch=lasting_file(out), metrics=metrics)
 
 
-@task(cache=True, cache_version=cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, module=__name__), container_image=cpu_image,
-      task_config=distributed(TrainConfig()), requests=LOCAL_RESOURCES)
-def train(algo: AlgoConfig, cfg: TrainConfig, reward: RewardConfig, rollout: RolloutConfig, hooks: HooksConfig,
-          ckpt: Checkpoint, batch: BatchResult, reference: Policy, iteration: int, root: str, code: str) -> TrainResult:
+@task(
+    cache=True,
+    cache_version=cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, module=__name__),
+    container_image=cpu_image,
+    task_config=distributed(TrainConfig()),
+    requests=LOCAL_RESOURCES,
+)
+def train(
+    algo: AlgoConfig,
+    cfg: TrainConfig,
+    reward: RewardConfig,
+    rollout: RolloutConfig,
+    hooks: HooksConfig,
+    ckpt: Checkpoint,
+    batch: BatchResult,
+    reference: Policy,
+    iteration: int,
+    root: str,
+    code: str,
+) -> TrainResult:
     """One RL step on every process (each trains its data-parallel rows); rank 0's result is the task's."""
     _forked_worker()
-    samples = read_batch(batch.batch.path, scored=True, reward_range=(reward.min, reward.max), vocab_size=vocab_size(reference.dir.path),
-                         group_size=rollout.n_samples)
+    samples = read_batch(
+        batch.batch.path, scored=True, reward_range=(reward.min, reward.max), vocab_size=vocab_size(reference.dir.path), group_size=rollout.n_samples
+    )
     out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, ckpt.dir.path, batch.batch.path, code)
-    step, metrics = train_checkpoint(cfg, bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks), ckpt.dir.path, samples, reference.dir.path, out, iteration)
+    step, metrics = train_checkpoint(
+        cfg, bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks), ckpt.dir.path, samples, reference.dir.path, out, iteration
+    )
     return TrainResult(ckpt=Checkpoint(dir=lasting_dir(out), step=step), metrics=metrics)
 
 
-@task(cache=True, cache_version=cache_version(PublishConfig, TrainConfig, module=__name__), container_image=cpu_image, task_config=ONE_PROCESS, requests=LOCAL_RESOURCES)
+@task(
+    cache=True,
+    cache_version=cache_version(PublishConfig, TrainConfig, module=__name__),
+    container_image=cpu_image,
+    task_config=ONE_PROCESS,
+    requests=LOCAL_RESOURCES,
+)
 def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent: Policy, root: str) -> Policy:
     """Export the checkpoint (any parallel sizes) as the next policy version (HF safetensors + lineage manifest)."""
     _forked_worker()

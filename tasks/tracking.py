@@ -33,11 +33,17 @@ def start_run(cfg: RunConfig, dataset: Dataset, start: Policy, evaluation: dict[
     uri = tracking.tracking_uri(cfg.tracking, cfg.run_root)
     execution = flytekit.current_context().execution_id
     run_id = tracking.start_run(
-        uri, cfg.tracking.experiment or cfg.name, str(Path(cfg.run_root) / "mlartifacts"), run_name=f"{cfg.name}-{config_hash(cfg)[:6]}",
+        uri,
+        cfg.tracking.experiment or cfg.name,
+        str(Path(cfg.run_root) / "mlartifacts"),
+        run_name=f"{cfg.name}-{config_hash(cfg)[:6]}",
         params=flatten(cfg),
         tags={
-            "config_hash": config_hash(cfg), "data_hash": dataset.sha256, "parent_version": start.version,
-            "flyte.execution_id": f"{execution.project}:{execution.domain}:{execution.name}", "parent_policy_dir": start.dir.path,
+            "config_hash": config_hash(cfg),
+            "data_hash": dataset.sha256,
+            "parent_version": start.version,
+            "flyte.execution_id": f"{execution.project}:{execution.domain}:{execution.name}",
+            "parent_policy_dir": start.dir.path,
         },
     )
     tracking.log_metrics(uri, run_id, evaluation, step=0)
@@ -46,7 +52,9 @@ def start_run(cfg: RunConfig, dataset: Dataset, start: Policy, evaluation: dict[
 
 
 @task(cache=False, container_image=cpu_image)
-def log_iteration(run: Tracking, iteration: int, rollout: dict[str, float], score: dict[str, float], train: dict[str, float], evaluation: dict[str, float], policy: Policy) -> None:
+def log_iteration(
+    run: Tracking, iteration: int, rollout: dict[str, float], score: dict[str, float], train: dict[str, float], evaluation: dict[str, float], policy: Policy
+) -> None:
     metrics = {**rollout, **score, **train, **evaluation, "time/logged_at": time.time()}
     tracking.log_metrics(run.uri, run.run_id, metrics, step=iteration + 1)
     tracking.log_dict(run.uri, run.run_id, read_manifest(policy.dir.path), f"policies/v{policy.version:04d}.json")
@@ -61,9 +69,16 @@ def log_iteration(run: Tracking, iteration: int, rollout: dict[str, float], scor
 def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float], policy: Policy, root: str) -> Report:
     manifest = read_manifest(policy.dir.path)
     learned, verdict = tracking.learning_verdict(before["eval/accuracy"], after["eval/accuracy"], after["eval/prompts"])
-    tracking.set_tags(run.uri, run.run_id, {
-        "policy_version": policy.version, "policy_dir": policy.dir.path, "policy_sha256": manifest["weights_sha256"], "learned": str(learned).lower(),
-    })
+    tracking.set_tags(
+        run.uri,
+        run.run_id,
+        {
+            "policy_version": policy.version,
+            "policy_dir": policy.dir.path,
+            "policy_sha256": manifest["weights_sha256"],
+            "learned": str(learned).lower(),
+        },
+    )
     png = Path(root) / "reports" / f"{run.run_id}-reward_curve.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     tracking.reward_curve(run.uri, run.run_id, str(png))
@@ -86,8 +101,11 @@ def log_phase(run: Tracking, first_iteration: int, phase: AsyncPhaseResult, eval
     for i, step in enumerate(phase.steps):
         totals = {**phase.metrics, **evaluation} if first_iteration + i + 1 == last else {}
         tracking.log_metrics(run.uri, run.run_id, {**step, **totals, "time/logged_at": time.time()}, step=first_iteration + i + 1)
-        print(f"iteration {first_iteration + i + 1}: reward {step['reward/mean']:.3f} loss {step['train/loss']:+.4f} "
-              f"staleness {step['async/staleness_mean']:.2f} (async)", flush=True)
+        print(
+            f"iteration {first_iteration + i + 1}: reward {step['reward/mean']:.3f} loss {step['train/loss']:+.4f} "
+            f"staleness {step['async/staleness_mean']:.2f} (async)",
+            flush=True,
+        )
     tracking.log_dict(run.uri, run.run_id, read_manifest(phase.policy.dir.path), f"policies/v{phase.policy.version:04d}.json")
     line = f"async phase {first_iteration + 1}-{last}: {phase.metrics['async/samples_per_s']:.1f} samples/s, policy v{phase.policy.version}"
     if evaluation:

@@ -15,7 +15,10 @@ PYFLYTE = Path(sys.executable).parent / "pyflyte"
 def workflow_command(recipe: str, root: Path, *overrides: str) -> list[str]:
     cfg = subprocess.run(
         [sys.executable, "-m", "miles_core.config", recipe, f"run_root={root}", *overrides],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return [str(PYFLYTE), "run", "workflows/rl.py", "rl", "--cfg", cfg]
 

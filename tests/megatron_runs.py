@@ -19,4 +19,4 @@ def run_worker(*args, nproc: int = 0) -> dict:
     out = subprocess.run([*launcher, WORKER, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-5000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])

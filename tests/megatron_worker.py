@@ -24,7 +24,16 @@ from miles_core.samples import Sample
 from miles_core.step import bind, optimize
 from miles_core.train.base import pack
 
-TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128, "num_experts": 4, "moe_top_k": 2, "moe_intermediate_size": 32}
+TINY = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 128,
+    "num_experts": 4,
+    "moe_top_k": 2,
+    "moe_intermediate_size": 32,
+}
 ALGO = AlgoConfig()
 FNS = bind(algo=ALGO, rollout=RolloutConfig(n_samples=4, temperature=1.0))  # groups of 4 (samples())
 
@@ -36,8 +45,21 @@ def samples(n: int = 8) -> list[Sample]:
     for i in range(n):
         P, R = 5 + i % 3, 4 + i % 2
         tokens = torch.randint(3, 300, (P + R,), generator=g).tolist()
-        out.append(Sample(prompt_id=i // 4, index=i % 4, prompt_tokens=tokens[:P], response_tokens=tokens[P:], rollout_logprobs=[-1.0] * R,
-                          loss_mask=[1] * R, finish_reason="stop", weight_version=0, label="1", metadata={}, reward=float(i % 2)))
+        out.append(
+            Sample(
+                prompt_id=i // 4,
+                index=i % 4,
+                prompt_tokens=tokens[:P],
+                response_tokens=tokens[P:],
+                rollout_logprobs=[-1.0] * R,
+                loss_mask=[1] * R,
+                finish_reason="stop",
+                weight_version=0,
+                label="1",
+                metadata={},
+                reward=float(i % 2),
+            )
+        )
     return out
 
 
@@ -74,8 +96,12 @@ def convert_one(root: Path, arch: str) -> dict:
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
         got = model.eval()(input_ids=ids, position_ids=positions(ids), attention_mask=None)[..., : spec.vocab_size]
-    return {"same_names": sorted(before) == sorted(after), "bitwise": all(torch.equal(before[k], after[k]) for k in before),
-            "max_logit_diff": float((expected - got).abs().max()), "logit_scale": float(expected.abs().max())}
+    return {
+        "same_names": sorted(before) == sorted(after),
+        "bitwise": all(torch.equal(before[k], after[k]) for k in before),
+        "max_logit_diff": float((expected - got).abs().max()),
+        "logit_scale": float(expected.abs().max()),
+    }
 
 
 def step(ckpt: str, tp: int, ep: int, out: str, pp: int = 1) -> dict:
@@ -92,8 +118,14 @@ def step(ckpt: str, tp: int, ep: int, out: str, pp: int = 1) -> dict:
     after = batch_loss(trainer)
     hits = [None] * dist.get_world_size()
     dist.all_gather_object(hits, sorted(cpu_compat.HITS))
-    return {"loss_before": before, "loss_after": after, "train_loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
-            "hits": sorted(set().union(*hits)), "rank": dist.get_rank()}
+    return {
+        "loss_before": before,
+        "loss_after": after,
+        "train_loss": metrics["train/loss"],
+        "grad_norm": metrics["train/grad_norm"],
+        "hits": sorted(set().union(*hits)),
+        "rank": dist.get_rank(),
+    }
 
 
 def resume(ckpt: str, out: str) -> dict:
@@ -144,7 +176,9 @@ def replay(ckpt: str) -> dict:
     optimize(trainer, samples(), FNS, 0)
     after_logprobs, after = recorded()
     return {
-        "micro_batches": len(after), "layers": len(after[0]), "shape": list(after[0][0].shape),
+        "micro_batches": len(after),
+        "layers": len(after[0]),
+        "shape": list(after[0][0].shape),
         "routing_changed_by_training": any(not torch.equal(a, b) for a, b in zip(before[0], after[0])),
         "replay_reproduces": torch.equal(replayed(after), after_logprobs),
         "old_routing_changes_logprobs": not torch.equal(replayed(before), after_logprobs),

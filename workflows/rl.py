@@ -40,25 +40,65 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
     for it, async_steps, due in phase_plan(cfg.iterations, cfg.async_phase, cfg.evaluation.interval):  # (it, 0, _): one sync iteration
         if async_steps:  # an async phase of K steps on Ray; its buffer and data state feed what follows
             phase = async_phase(
-                cfg=cfg.async_phase, rollout=cfg.rollout, data=cfg.data, reward=cfg.reward, algo=cfg.algo, train=cfg.train, hooks=cfg.hooks,
-                publish_cfg=cfg.publish, ckpt=ckpt, policy=policy, reference=start, dataset=dataset, state=state, buffer=buffer,
-                first_iteration=it, steps=async_steps, root=root, code=code["async"],
+                cfg=cfg.async_phase,
+                rollout=cfg.rollout,
+                data=cfg.data,
+                reward=cfg.reward,
+                algo=cfg.algo,
+                train=cfg.train,
+                hooks=cfg.hooks,
+                publish_cfg=cfg.publish,
+                ckpt=ckpt,
+                policy=policy,
+                reference=start,
+                dataset=dataset,
+                state=state,
+                buffer=buffer,
+                first_iteration=it,
+                steps=async_steps,
+                root=root,
+                code=code["async"],
             )
-            evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=phase.policy, dataset=dataset,
-                                  code=code["evaluate"]) if due else {}
+            evaluation = (
+                evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=phase.policy, dataset=dataset, code=code["evaluate"])
+                if due
+                else {}
+            )
             log_phase(run=run, first_iteration=it, phase=phase, evaluation=evaluation)
             ckpt, policy, state, buffer = phase.ckpt, phase.policy, phase.state, phase.buffer
             continue
-        batch = rollout(cfg=cfg.rollout, data=cfg.data, reward=cfg.reward, policy=policy, dataset=dataset, state=state, buffer=buffer, iteration=it,
-                        root=root, code=code["rollout"])
+        batch = rollout(
+            cfg=cfg.rollout,
+            data=cfg.data,
+            reward=cfg.reward,
+            policy=policy,
+            dataset=dataset,
+            state=state,
+            buffer=buffer,
+            iteration=it,
+            root=root,
+            code=code["rollout"],
+        )
         scored = score(cfg=cfg.reward, hooks=cfg.hooks, rollout=cfg.rollout, policy=policy, batch=batch, iteration=it, root=root, code=code["score"])
         trained = train(
-            algo=cfg.algo, cfg=cfg.train, reward=cfg.reward, rollout=cfg.rollout, hooks=cfg.hooks,
-            ckpt=ckpt, batch=scored, reference=start, iteration=it, root=root, code=code["train"],
+            algo=cfg.algo,
+            cfg=cfg.train,
+            reward=cfg.reward,
+            rollout=cfg.rollout,
+            hooks=cfg.hooks,
+            ckpt=ckpt,
+            batch=scored,
+            reference=start,
+            iteration=it,
+            root=root,
+            code=code["train"],
         ).with_overrides(**train_overrides(cfg.train))
         policy = publish(cfg=cfg.publish, train_cfg=cfg.train, ckpt=trained.ckpt, parent=policy, root=root)
-        evaluation = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset,
-                              code=code["evaluate"]) if due else {}
+        evaluation = (
+            evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset, code=code["evaluate"])
+            if due
+            else {}
+        )
         log_iteration(run=run, iteration=it, rollout=batch.metrics, score=scored.metrics, train=trained.metrics, evaluation=evaluation, policy=policy)
         ckpt, state, buffer = trained.ckpt, batch.state, batch.buffer
     return policy, evaluation
@@ -69,8 +109,9 @@ def rl(cfg: RunConfig = RunConfig()) -> Report:  # noqa: B008 (the workflow's de
     base = build_model(cfg=cfg.model, root=cfg.run_root)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
-    before = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=start, dataset=dataset,
-                      code=stage_code(cfg=cfg, stage="evaluate"))
+    before = evaluate(
+        cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=start, dataset=dataset, code=stage_code(cfg=cfg, stage="evaluate")
+    )
     run = start_run(cfg=cfg, dataset=dataset, start=start, evaluation=before)
     final = rl_loop(cfg=cfg, start=start, dataset=dataset, run=run)
     return finish_run(run=run, before=before, after=final.evaluation, policy=final.policy, root=cfg.run_root)

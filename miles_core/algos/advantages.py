@@ -52,18 +52,13 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if rewards.shape[0] % group_size != 0:
-        raise ValueError(
-            f"batch size {rewards.shape[0]} is not a multiple of group_size {group_size}: "
-            "each prompt must contribute exactly group_size samples"
-        )
+        raise ValueError(f"batch size {rewards.shape[0]} is not a multiple of group_size {group_size}: each prompt must contribute exactly group_size samples")
     if not rewards.is_floating_point():
         rewards = rewards.float()
     return rewards.reshape(-1, group_size)  # [B/G, G]
 
 
-def grpo_advantages(
-    rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
-) -> Tensor:
+def grpo_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
     """Reward minus its group's mean, over (group std + eps) when `normalize_std`.
 
     rewards: [B], B a multiple of `group_size`; entries [k*G, (k+1)*G) form group k.
@@ -84,9 +79,7 @@ def grpo_advantages(
 def broadcast_to_tokens(adv: Tensor, mask: Tensor) -> Tensor:
     """Each sample's advantage on each of its unmasked tokens: [B] x [B, T] -> [B, T]."""
     if adv.dim() != 1 or mask.dim() != 2 or adv.shape[0] != mask.shape[0]:
-        raise ValueError(
-            f"expected adv [B] and mask [B, T], got {tuple(adv.shape)} and {tuple(mask.shape)}"
-        )
+        raise ValueError(f"expected adv [B] and mask [B, T], got {tuple(adv.shape)} and {tuple(mask.shape)}")
     return adv.unsqueeze(1) * mask.to(adv.dtype)  # [B, T]
 
 
@@ -145,7 +138,9 @@ def reinforce_plus_plus_advantages(rewards: Tensor, mask: Tensor, gamma: float =
     return whiten(discounted_returns(token_rewards(rewards, mask, kl, kl_coef), mask, gamma), mask)
 
 
-def reinforce_plus_plus_baseline_advantages(rewards: Tensor, group_size: int, mask: Tensor, gamma: float = 1.0, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
+def reinforce_plus_plus_baseline_advantages(
+    rewards: Tensor, group_size: int, mask: Tensor, gamma: float = 1.0, kl: Tensor | None = None, kl_coef: float = 0.0
+) -> Tensor:
     """REINFORCE++ on rewards minus their group mean (the group baseline), then whitened. -> [B, T]."""
     centered = grpo_advantages(rewards, group_size, normalize_std=False)  # [B]
     return reinforce_plus_plus_advantages(centered, mask, gamma, kl, kl_coef)

@@ -41,8 +41,9 @@ def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
     }
 
 
-def importance_weights(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, mode: str, level: str, lower: float, upper: float,
-                       log_ratio_clamp: float = LOG_RATIO_CLAMP) -> tuple[Tensor, dict[str, float]]:
+def importance_weights(
+    train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, mode: str, level: str, lower: float, upper: float, log_ratio_clamp: float = LOG_RATIO_CLAMP
+) -> tuple[Tensor, dict[str, float]]:
     """Per-token IS weights [B, T] (no gradient) and metrics; inputs [B, T].
 
     mode "tis" | "mis"; level "token" | "sequence"; the weight is bounded to [lower, upper]

@@ -51,8 +51,7 @@ _ESTIMATORS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
 }
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str, old_logprobs: Tensor | None = None,
-               log_ratio_clamp: float = LOG_RATIO_CLAMP) -> Tensor:
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str, old_logprobs: Tensor | None = None, log_ratio_clamp: float = LOG_RATIO_CLAMP) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (or from pi_old).
 
     logprobs (pi), ref_logprobs (pi_ref): [B, T]. kind: "k1", "k2", "low_var_kl" ("k3").

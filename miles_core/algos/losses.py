@@ -68,8 +68,9 @@ def ppo_clip_loss(
     return loss, clip_active
 
 
-def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float,
-              log_ratio_clamp: float = LOG_RATIO_CLAMP) -> tuple[Tensor, Tensor]:
+def gspo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float, log_ratio_clamp: float = LOG_RATIO_CLAMP
+) -> tuple[Tensor, Tensor]:
     """GSPO: the sequence ratio s_i = exp(mean_t (logp - old)) clipped per sequence.
 
     All [B, T]. Per token the ratio is sg(s_i) * exp(logp_t - sg(logp_t)): its value is s_i and
@@ -87,8 +88,9 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     return loss * mask, (clipped > unclipped).to(loss.dtype) * mask
 
 
-def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
-               log_ratio_clamp: float = LOG_RATIO_CLAMP) -> tuple[Tensor, Tensor]:
+def cispo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float, log_ratio_clamp: float = LOG_RATIO_CLAMP
+) -> tuple[Tensor, Tensor]:
     """CISPO: -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp, per token; all [B, T].
 
     Returns (loss [B, T], clipped [B, T]) where `clipped` marks tokens whose weight was clipped.

@@ -24,7 +24,9 @@ from miles_core.algos.losses import (
 from miles_core.config import AlgoConfig
 
 
-def compute_advantages(algo: AlgoConfig, rewards: Tensor, mask: Tensor, group_size: int, kl: Tensor | None, values: Tensor | None) -> tuple[Tensor, Tensor | None]:
+def compute_advantages(
+    algo: AlgoConfig, rewards: Tensor, mask: Tensor, group_size: int, kl: Tensor | None, values: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
     """Plug-point `algo.advantage_fn(algo, rewards, mask, group_size, kl, values) -> (advantages, returns)`.
 
     rewards [B] (groups of group_size consecutive samples); mask [B, T] response tokens;

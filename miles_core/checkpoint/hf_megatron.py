@@ -67,14 +67,24 @@ def arch_spec(hf_config: dict, source: str = "config.json") -> ArchSpec:
     heads = hf_config["num_attention_heads"]
     moe = kind == "qwen3_moe"
     return ArchSpec(
-        model_type=kind, vocab_size=hf_config["vocab_size"], hidden_size=hf_config["hidden_size"],
-        num_layers=hf_config["num_hidden_layers"], num_heads=heads, num_kv_heads=hf_config.get("num_key_value_heads", heads),
-        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads, ffn_hidden_size=hf_config["intermediate_size"],
-        norm_eps=hf_config.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", hf_config.get("rope_theta", 10000.0)),
-        max_positions=hf_config.get("max_position_embeddings", 4096), tied_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-        qkv_bias=kind == "qwen2" or bool(hf_config.get("attention_bias", False)), qk_norm=kind in ("qwen3", "qwen3_moe"),
-        num_experts=hf_config.get("num_local_experts", hf_config.get("num_experts", 0)) if moe else 0, moe_top_k=hf_config.get("num_experts_per_tok", 0) if moe else 0,
-        moe_ffn_hidden_size=hf_config.get("moe_intermediate_size", 0) if moe else 0, moe_renormalize=bool(hf_config.get("norm_topk_prob", False)),
+        model_type=kind,
+        vocab_size=hf_config["vocab_size"],
+        hidden_size=hf_config["hidden_size"],
+        num_layers=hf_config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf_config.get("num_key_value_heads", heads),
+        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+        ffn_hidden_size=hf_config["intermediate_size"],
+        norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", hf_config.get("rope_theta", 10000.0)),
+        max_positions=hf_config.get("max_position_embeddings", 4096),
+        tied_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        qkv_bias=kind == "qwen2" or bool(hf_config.get("attention_bias", False)),
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
+        num_experts=hf_config.get("num_local_experts", hf_config.get("num_experts", 0)) if moe else 0,
+        moe_top_k=hf_config.get("num_experts_per_tok", 0) if moe else 0,
+        moe_ffn_hidden_size=hf_config.get("moe_intermediate_size", 0) if moe else 0,
+        moe_renormalize=bool(hf_config.get("norm_topk_prob", False)),
     )
 
 
@@ -138,8 +148,7 @@ def _mlp_to_megatron(hf: dict, src: str, dst: str) -> dict[str, torch.Tensor]:
 
 def hf_to_megatron(spec: ArchSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF state dict (safetensors names) -> unsharded megatron GPTModel state dict."""
-    out = {"embedding.word_embeddings.weight": _pad_vocab(spec, hf["model.embed_tokens.weight"]),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    out = {"embedding.word_embeddings.weight": _pad_vocab(spec, hf["model.embed_tokens.weight"]), "decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not spec.tied_embeddings:
         out["output_layer.weight"] = _pad_vocab(spec, hf["lm_head.weight"])
     for i in range(spec.num_layers):
@@ -154,7 +163,9 @@ def _layer_to_hf(spec: ArchSpec, mg: dict, i: int) -> dict[str, torch.Tensor]:
     out = {
         f"{dst}input_layernorm.weight": mg[f"{src}input_layernorm.weight"],
         f"{dst}post_attention_layernorm.weight": mg[f"{src}pre_mlp_layernorm.weight"],
-        f"{attn}q_proj.weight": q, f"{attn}k_proj.weight": k, f"{attn}v_proj.weight": v,
+        f"{attn}q_proj.weight": q,
+        f"{attn}k_proj.weight": k,
+        f"{attn}v_proj.weight": v,
         f"{attn}o_proj.weight": mg[f"{src}self_attention.linear_proj.weight"],
     }
     if spec.qkv_bias:
@@ -178,8 +189,7 @@ def _mlp_to_hf(mg: dict, src: str, dst: str) -> dict[str, torch.Tensor]:
 
 def megatron_to_hf(spec: ArchSpec, mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Unsharded megatron GPTModel state dict -> HF state dict (safetensors names, vocab unpadded)."""
-    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][: spec.vocab_size],
-           "model.norm.weight": mg["decoder.final_layernorm.weight"]}
+    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][: spec.vocab_size], "model.norm.weight": mg["decoder.final_layernorm.weight"]}
     if not spec.tied_embeddings:
         out["lm_head.weight"] = mg["output_layer.weight"][: spec.vocab_size]
     for i in range(spec.num_layers):

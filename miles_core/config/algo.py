@@ -51,7 +51,11 @@ class AlgoConfig:
         _check(self.advantage in ADVANTAGES, "algo.advantage", f"unknown estimator {self.advantage!r} (available: {', '.join(ADVANTAGES)})")
         _check(self.policy_loss in POLICY_LOSSES, "algo.policy_loss", f"unknown loss {self.policy_loss!r} (available: {', '.join(POLICY_LOSSES)})")
         _check(self.loss_aggregation in AGGREGATIONS, "algo.loss_aggregation", f"unknown mode {self.loss_aggregation!r} (available: {', '.join(AGGREGATIONS)})")
-        _check(0 < self.eps_clip_low < 1, "algo.eps_clip_low", f"must be in (0, 1) (the ratio's lower bound 1 - eps_clip_low is in (0, 1)), got {self.eps_clip_low}")
+        _check(
+            0 < self.eps_clip_low < 1,
+            "algo.eps_clip_low",
+            f"must be in (0, 1) (the ratio's lower bound 1 - eps_clip_low is in (0, 1)), got {self.eps_clip_low}",
+        )
         _check(self.eps_clip_high > 0, "algo.eps_clip_high", f"must be > 0, got {self.eps_clip_high}")
         _check(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", "must be 0 (off) or > 1")
         _check(self.aggregation_horizon >= 0, "algo.aggregation_horizon", "must be >= 0")
@@ -77,4 +81,6 @@ class AlgoConfig:
             _check(math.log(bound) < c, "algo.log_ratio_clamp", f"must be > log({name}) = {math.log(bound):.4g}, or the clamp changes that bound")
         lows = {"1 - algo.eps_clip_low": 1 - self.eps_clip_low, "algo.is_lower": self.is_lower}
         for name, bound in lows.items():
-            _check(bound == 0 or math.log(bound) > -c, "algo.log_ratio_clamp", f"must be > -log({name}) = {-math.log(bound):.4g}, or the clamp changes that bound")
+            _check(
+                bound == 0 or math.log(bound) > -c, "algo.log_ratio_clamp", f"must be > -log({name}) = {-math.log(bound):.4g}, or the clamp changes that bound"
+            )

@@ -45,11 +45,22 @@ class AsyncConfig:
         _check(self.schedule in SCHEDULES, "async_phase.schedule", f"unknown schedule {self.schedule!r} (available: {', '.join(SCHEDULES)})")
         _check(self.sync_iterations >= 0, "async_phase.sync_iterations", "must be >= 0")
         _check(self.schedule == "mixed" or self.sync_iterations == 0, "async_phase.sync_iterations", "only the mixed schedule has sync iterations")
-        for name in ("steps_per_phase", "update_weights_interval", "rollout_workers", "prompts_per_lease", "queue_size", "partial_segment_tokens", "threads_per_actor"):
+        for name in (
+            "steps_per_phase",
+            "update_weights_interval",
+            "rollout_workers",
+            "prompts_per_lease",
+            "queue_size",
+            "partial_segment_tokens",
+            "threads_per_actor",
+        ):
             _check(getattr(self, name) >= 1, f"async_phase.{name}", "must be >= 1")
         _check(self.stale_policy in STALE_POLICIES, "async_phase.stale_policy", f"unknown policy {self.stale_policy!r} (available: drop, regenerate)")
-        _check(self.max_staleness >= self.update_weights_interval - 1, "async_phase.max_staleness",
-               f"must be >= update_weights_interval - 1 = {self.update_weights_interval - 1}, or the trainer waits for samples no actor can produce")
+        _check(
+            self.max_staleness >= self.update_weights_interval - 1,
+            "async_phase.max_staleness",
+            f"must be >= update_weights_interval - 1 = {self.update_weights_interval - 1}, or the trainer waits for samples no actor can produce",
+        )
         _check(self.prompts_per_lease <= self.queue_size, "async_phase.prompts_per_lease", "must be <= async_phase.queue_size")
         _check(self.max_staleness >= 0, "async_phase.max_staleness", "must be >= 0")
         for name in ("worker_cpus", "trainer_cpus"):
@@ -57,4 +68,3 @@ class AsyncConfig:
         for name in ("push_timeout_s", "take_timeout_s"):
             _check(getattr(self, name) > 0, f"async_phase.{name}", f"must be > 0 seconds, got {getattr(self, name)}")
         _check(self.max_restarts >= 0, "async_phase.max_restarts", "must be >= 0")
-

@@ -29,7 +29,9 @@ class DataConfig:
 
     def __post_init__(self):
         check_finite(self, "data")
-        _check(self.problem_set in ("addition", "tool_arith"), "data.problem_set", f"unknown problem set {self.problem_set!r} (available: addition, tool_arith)")
+        _check(
+            self.problem_set in ("addition", "tool_arith"), "data.problem_set", f"unknown problem set {self.problem_set!r} (available: addition, tool_arith)"
+        )
         _check(1 <= self.digits <= 6, "data.digits", f"must be in [1, 6], got {self.digits}")
         _check(self.train_size > 0, "data.train_size", "must be > 0")
         _check(self.test_size > 0, "data.test_size", "must be > 0")
@@ -57,4 +59,3 @@ class SFTConfig:
         _check(self.lr > 0, "sft.lr", "must be > 0")
         _check(self.warmup_steps >= 0, "sft.warmup_steps", "must be >= 0")
         _check(self.seed >= 0, "sft.seed", "must be >= 0")
-

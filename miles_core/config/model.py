@@ -35,4 +35,3 @@ class ModelConfig:
         _check(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by num_heads")
         _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", "must divide num_heads")
         _check(self.seed >= 0, "model.seed", "must be >= 0")
-

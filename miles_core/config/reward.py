@@ -48,7 +48,11 @@ class RewardConfig:
         _check(self.remote_retries >= 0, "reward.remote_retries", "must be >= 0")
         for key in ("remote_max_response_bytes", "remote_concurrency", "remote_max_consecutive_failures", "regex_max_pattern_chars"):
             _check(getattr(self, key) > 0, f"reward.{key}", f"must be > 0, got {getattr(self, key)}")
-        _check(self.remote_out_of_range in OUT_OF_RANGE_POLICIES, "reward.remote_out_of_range", f"must be one of {OUT_OF_RANGE_POLICIES}, got {self.remote_out_of_range!r}")
+        _check(
+            self.remote_out_of_range in OUT_OF_RANGE_POLICIES,
+            "reward.remote_out_of_range",
+            f"must be one of {OUT_OF_RANGE_POLICIES}, got {self.remote_out_of_range!r}",
+        )
         _check(not self.remote_url or _is_http_url(self.remote_url), "reward.remote_url", f"must be an http(s) URL, got {self.remote_url!r}")
         self.endpoints()  # checks reward.remote_endpoints
 

@@ -42,7 +42,11 @@ class SGLangConfig:
         _check(self.dtype in SGLANG_DTYPES, "rollout.sglang.dtype", f"must be one of {', '.join(SGLANG_DTYPES)} (SGLang's --dtype), got {self.dtype!r}")
         for name in ("startup_timeout_s", "request_timeout_s", "bucket_mb"):
             _check(getattr(self, name) > 0, f"rollout.sglang.{name}", "must be > 0")
-        _check(self.max_concurrency >= 1 and self.max_batch_sequences >= 1, "rollout.sglang.max_concurrency", "max_concurrency and max_batch_sequences must be >= 1")
+        _check(
+            self.max_concurrency >= 1 and self.max_batch_sequences >= 1,
+            "rollout.sglang.max_concurrency",
+            "max_concurrency and max_batch_sequences must be >= 1",
+        )
         _check(self.max_restarts >= 0, "rollout.sglang.max_restarts", "must be >= 0")
         _check(self.weight_sync in WEIGHT_SYNC_MODES, "rollout.sglang.weight_sync", f"must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {self.weight_sync!r}")
         _check(self.sync_backend in ("gloo", "nccl"), "rollout.sglang.sync_backend", f"must be gloo or nccl, got {self.sync_backend!r}")
@@ -112,4 +116,3 @@ class RolloutConfig:
         _check(self.over_sample >= 1.0, "rollout.over_sample", "must be >= 1")
         _check(self.max_rounds >= 1, "rollout.max_rounds", "must be >= 1")
         _check(self.seed >= 0, "rollout.seed", "must be >= 0")
-

@@ -33,27 +33,47 @@ def _megatron(c) -> bool:
 
 def _divides(size_key: str, model_key: str):
     """A rule: train.<size_key> divides model.<model_key> (megatron splits that dimension over the ranks)."""
-    return Rule(f"train.{size_key}", lambda c: _megatron(c) and getattr(c.train, size_key) > 1,
-                lambda c: getattr(c.model, model_key) % getattr(c.train, size_key) == 0,
-                lambda c: f"must divide model.{model_key} ({getattr(c.model, model_key)}): megatron splits it over {getattr(c.train, size_key)} ranks")
+    return Rule(
+        f"train.{size_key}",
+        lambda c: _megatron(c) and getattr(c.train, size_key) > 1,
+        lambda c: getattr(c.model, model_key) % getattr(c.train, size_key) == 0,
+        lambda c: f"must divide model.{model_key} ({getattr(c.model, model_key)}): megatron splits it over {getattr(c.train, size_key)} ranks",
+    )
 
 
 def _torch_ignores(key: str, default):
     """A rule: the torch backend does not read train.<key>, so a value other than the default is refused, not ignored."""
-    return Rule(f"train.{key}", lambda c: c.train.backend == "torch", lambda c: getattr(c.train, key) == default,
-                lambda c: f"{getattr(c.train, key)!r} is read by the megatron backend only (train.backend: torch trains in float32 on one process): "
-                          f"use {default!r} or train.backend: megatron")
+    return Rule(
+        f"train.{key}",
+        lambda c: c.train.backend == "torch",
+        lambda c: getattr(c.train, key) == default,
+        lambda c: (
+            f"{getattr(c.train, key)!r} is read by the megatron backend only (train.backend: torch trains in float32 on one process): "
+            f"use {default!r} or train.backend: megatron"
+        ),
+    )
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("algo.advantage", lambda c: c.algo.advantage == "rloo", lambda c: c.rollout.n_samples >= 2,
-         lambda c: "rloo needs rollout.n_samples >= 2"),
-    Rule("algo.use_rollout_logprobs", lambda c: c.algo.use_rollout_logprobs, lambda c: c.algo.is_correction == "none",
-         lambda c: f"with algo.is_correction: {c.algo.is_correction} the train/inference mismatch would be corrected twice (the ratio to the "
-                   "rollout's log-probs already is the importance weight): set use_rollout_logprobs: false, or is_correction: none"),
-    Rule("rollout.over_sample", lambda c: c.rollout.over_sample > 1, lambda c: c.rollout.dynamic_sampling,
-         lambda c: "over-sampling feeds dynamic sampling's filter (rollout.dynamic_sampling: true); without it the extra groups only wait, unfiltered "
-                   "and growing stale, in the buffer: set over_sample: 1 or dynamic_sampling: true"),
+    Rule("algo.advantage", lambda c: c.algo.advantage == "rloo", lambda c: c.rollout.n_samples >= 2, lambda c: "rloo needs rollout.n_samples >= 2"),
+    Rule(
+        "algo.use_rollout_logprobs",
+        lambda c: c.algo.use_rollout_logprobs,
+        lambda c: c.algo.is_correction == "none",
+        lambda c: (
+            f"with algo.is_correction: {c.algo.is_correction} the train/inference mismatch would be corrected twice (the ratio to the "
+            "rollout's log-probs already is the importance weight): set use_rollout_logprobs: false, or is_correction: none"
+        ),
+    ),
+    Rule(
+        "rollout.over_sample",
+        lambda c: c.rollout.over_sample > 1,
+        lambda c: c.rollout.dynamic_sampling,
+        lambda c: (
+            "over-sampling feeds dynamic sampling's filter (rollout.dynamic_sampling: true); without it the extra groups only wait, unfiltered "
+            "and growing stale, in the buffer: set over_sample: 1 or dynamic_sampling: true"
+        ),
+    ),
     _torch_ignores("megatron_dtype", "float32"),
     _torch_ignores("tensor_parallel", 1),
     _torch_ignores("pipeline_parallel", 1),
@@ -62,18 +82,37 @@ RULES: tuple[Rule, ...] = (
     _divides("tensor_parallel", "num_kv_heads"),
     _divides("tensor_parallel", "intermediate_size"),
     _divides("pipeline_parallel", "num_layers"),
-    Rule("train.expert_parallel", lambda c: c.train.expert_parallel > 1, lambda c: c.model.arch == "qwen3_moe",
-         lambda c: f"expert parallelism splits MoE experts, and model.arch {c.model.arch!r} has none: use 1 or arch qwen3_moe"),
+    Rule(
+        "train.expert_parallel",
+        lambda c: c.train.expert_parallel > 1,
+        lambda c: c.model.arch == "qwen3_moe",
+        lambda c: f"expert parallelism splits MoE experts, and model.arch {c.model.arch!r} has none: use 1 or arch qwen3_moe",
+    ),
     _divides("expert_parallel", "num_experts"),
-    Rule("async_phase.queue_size", _async, lambda c: c.async_phase.queue_size >= c.rollout.prompts_per_step,
-         lambda c: f"must be >= rollout.prompts_per_step ({c.rollout.prompts_per_step}): the trainer takes that many groups per step"),
-    Rule("async_phase.schedule", _async, lambda c: c.algo.advantage != "ppo",
-         lambda c: "async phases do not train a critic yet: use a critic-free estimator or schedule: sync"),
-    Rule("async_phase.rollout_workers", lambda c: _async(c) and c.rollout.engine == "sglang" and bool(c.rollout.sglang.urls.strip()),
-         lambda c: c.async_phase.rollout_workers == 1,
-         lambda c: "attached SGLang servers (rollout.sglang.urls) take weights from one rollout actor: set 1, or let each actor launch its own servers"),
-    Rule("async_phase.sync_iterations", _async, lambda c: c.async_phase.sync_iterations < c.iterations,
-         lambda c: f"must be < iterations ({c.iterations}) so that an async phase runs"),
+    Rule(
+        "async_phase.queue_size",
+        _async,
+        lambda c: c.async_phase.queue_size >= c.rollout.prompts_per_step,
+        lambda c: f"must be >= rollout.prompts_per_step ({c.rollout.prompts_per_step}): the trainer takes that many groups per step",
+    ),
+    Rule(
+        "async_phase.schedule",
+        _async,
+        lambda c: c.algo.advantage != "ppo",
+        lambda c: "async phases do not train a critic yet: use a critic-free estimator or schedule: sync",
+    ),
+    Rule(
+        "async_phase.rollout_workers",
+        lambda c: _async(c) and c.rollout.engine == "sglang" and bool(c.rollout.sglang.urls.strip()),
+        lambda c: c.async_phase.rollout_workers == 1,
+        lambda c: "attached SGLang servers (rollout.sglang.urls) take weights from one rollout actor: set 1, or let each actor launch its own servers",
+    ),
+    Rule(
+        "async_phase.sync_iterations",
+        _async,
+        lambda c: c.async_phase.sync_iterations < c.iterations,
+        lambda c: f"must be < iterations ({c.iterations}) so that an async phase runs",
+    ),
 )
 
 

@@ -34,11 +34,21 @@ class TrainConfig:
         _check(self.backend in ("torch", "megatron"), "train.backend", f"unknown backend {self.backend!r} (available: torch, megatron)")
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "nnodes", "nproc_per_node"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
-        _check(self.gpus_per_node in (0, self.nproc_per_node), "train.gpus_per_node", f"must be 0 (CPU) or nproc_per_node={self.nproc_per_node} (one process per GPU)")
+        _check(
+            self.gpus_per_node in (0, self.nproc_per_node),
+            "train.gpus_per_node",
+            f"must be 0 (CPU) or nproc_per_node={self.nproc_per_node} (one process per GPU)",
+        )
         model_parallel = self.tensor_parallel * self.pipeline_parallel
-        _check(self.nproc_per_node % model_parallel == 0, "train.nproc_per_node", f"must be a multiple of tensor_parallel x pipeline_parallel = {model_parallel}")
+        _check(
+            self.nproc_per_node % model_parallel == 0, "train.nproc_per_node", f"must be a multiple of tensor_parallel x pipeline_parallel = {model_parallel}"
+        )
         data_parallel = self.nnodes * self.nproc_per_node // model_parallel
-        _check(data_parallel % self.expert_parallel == 0, "train.expert_parallel", "must divide the data-parallel size (nnodes x nproc_per_node / (tensor x pipeline))")
+        _check(
+            data_parallel % self.expert_parallel == 0,
+            "train.expert_parallel",
+            "must divide the data-parallel size (nnodes x nproc_per_node / (tensor x pipeline))",
+        )
         _check(self.megatron_dtype in ("float32", "bfloat16"), "train.megatron_dtype", f"must be float32 or bfloat16, got {self.megatron_dtype!r}")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(self.grad_clip > 0, "train.grad_clip", "must be > 0")
@@ -85,4 +95,3 @@ class HooksConfig:
     after_train_step: str = "miles_core.hooks:after_train_step"
     after_save: str = "miles_core.hooks:after_save"
     rollout_log: str = "miles_core.hooks:rollout_log"
-

@@ -108,8 +108,7 @@ def make_addition(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
     total = count * count
     if cfg.train_size + cfg.test_size > total:
         raise ValueError(
-            f"data.train_size: {cfg.train_size} train + {cfg.test_size} test problems requested, but only "
-            f"{total} distinct {cfg.digits}-digit additions exist"
+            f"data.train_size: {cfg.train_size} train + {cfg.test_size} test problems requested, but only {total} distinct {cfg.digits}-digit additions exist"
         )
     test_idx = _sample_indices(random.Random(f"{cfg.seed}:test"), total, cfg.test_size, set())
     train_idx = _sample_indices(random.Random(f"{cfg.seed}:train"), total, cfg.train_size, set(test_idx))
@@ -156,7 +155,9 @@ def make_tool_arith(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
     low, count = _operand_range(cfg.digits)
     total = count * count
     if cfg.train_size + cfg.test_size > total:
-        raise ValueError(f"data.train_size: {cfg.train_size} train + {cfg.test_size} test problems requested, but only {total} distinct {cfg.digits}-digit products exist")
+        raise ValueError(
+            f"data.train_size: {cfg.train_size} train + {cfg.test_size} test problems requested, but only {total} distinct {cfg.digits}-digit products exist"
+        )
     test_idx = _sample_indices(random.Random(f"{cfg.seed}:tool-test"), total, cfg.test_size, set())
     train_idx = _sample_indices(random.Random(f"{cfg.seed}:tool-train"), total, cfg.train_size, set(test_idx))
     return tuple([_tool_row(cfg, low + i // count, low + i % count) for i in idx] for idx in (train_idx, test_idx))

@@ -178,8 +178,12 @@ def _parse_row(path: Path, number: int, row, keys: tuple[str, str, str]) -> Prom
 
 
 def load_prompts(
-    path: str | Path, input_key: str = "input", label_key: str = "label", metadata_key: str = "metadata",
-    max_file_bytes: int = MAX_FILE_BYTES, max_line_bytes: int = MAX_LINE_BYTES,
+    path: str | Path,
+    input_key: str = "input",
+    label_key: str = "label",
+    metadata_key: str = "metadata",
+    max_file_bytes: int = MAX_FILE_BYTES,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> list[Prompt]:
     """Read and check every row of a `.jsonl` or `.parquet` prompt file (at most max_file_bytes;
     a jsonl line at most max_line_bytes)."""
@@ -197,10 +201,7 @@ def load_prompts(
     for number, row in reader(path, max_line_bytes):
         prompt = _parse_row(path, number, row, (input_key, label_key, metadata_key))
         if prompt.id in first_row:
-            raise DataError(
-                f"{path}: row {number}: key {metadata_key + '.id'!r}: duplicate id {_short(prompt.id)} "
-                f"(first seen in row {first_row[prompt.id]})"
-            )
+            raise DataError(f"{path}: row {number}: key {metadata_key + '.id'!r}: duplicate id {_short(prompt.id)} (first seen in row {first_row[prompt.id]})")
         first_row[prompt.id] = number
         prompts.append(prompt)
     if not prompts:

@@ -124,8 +124,13 @@ def _llama_config(cfg: ModelConfig, common: dict) -> transformers.PretrainedConf
 
 def _qwen3_moe_config(cfg: ModelConfig, common: dict) -> transformers.PretrainedConfig:
     return transformers.Qwen3MoeConfig(
-        head_dim=cfg.hidden_size // cfg.num_heads, num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_top_k,
-        moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_top_k,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
         **{**common, "tie_word_embeddings": False},
     )
 

@@ -103,9 +103,15 @@ def format_regex(response: str, label: str, metadata: dict, reward_cfg: RewardCo
 def remote_policy(cfg: RewardConfig) -> RemotePolicy:
     """The remote client's limits, from the reward section."""
     return RemotePolicy(
-        timeout_s=cfg.remote_timeout_s, retries=cfg.remote_retries, backoff_s=cfg.remote_backoff_s, max_response_bytes=cfg.remote_max_response_bytes,
-        concurrency=cfg.remote_concurrency, max_consecutive_failures=cfg.remote_max_consecutive_failures, breaker_reset_s=cfg.remote_breaker_reset_s,
-        reward_range=(cfg.min, cfg.max), out_of_range=cfg.remote_out_of_range,
+        timeout_s=cfg.remote_timeout_s,
+        retries=cfg.remote_retries,
+        backoff_s=cfg.remote_backoff_s,
+        max_response_bytes=cfg.remote_max_response_bytes,
+        concurrency=cfg.remote_concurrency,
+        max_consecutive_failures=cfg.remote_max_consecutive_failures,
+        breaker_reset_s=cfg.remote_breaker_reset_s,
+        reward_range=(cfg.min, cfg.max),
+        out_of_range=cfg.remote_out_of_range,
     )
 
 
@@ -147,8 +153,9 @@ def batched(reward_fn: Callable, responses: list[Response], cfg: RewardConfig) -
         except ValueError as err:
             fetched[key] = err
     with ThreadPoolExecutor(max(len(by_url), 1)) as pool:  # every endpoint at once: the batch's deadline is one for all of them
-        results = pool.map(lambda requests: remote_rewards(requests[0], list(requests[1].values()), remote_policy(cfg), cfg.remote_batch_timeout_s),
-                           by_url.items())
+        results = pool.map(
+            lambda requests: remote_rewards(requests[0], list(requests[1].values()), remote_policy(cfg), cfg.remote_batch_timeout_s), by_url.items()
+        )
         for (_, requests), rewards in zip(by_url.items(), results):
             fetched.update(zip(requests, rewards))
 
@@ -168,8 +175,14 @@ def _request_key(response: str, label: str, metadata: dict) -> tuple:
 
 
 REWARDS = {
-    "math": math_answer, "boxed": boxed_math, "integer": integer, "exact": exact_match, "f1": f1,
-    "format_boxed": format_boxed, "format_regex": format_regex, "remote": remote,
+    "math": math_answer,
+    "boxed": boxed_math,
+    "integer": integer,
+    "exact": exact_match,
+    "f1": f1,
+    "format_boxed": format_boxed,
+    "format_regex": format_regex,
+    "remote": remote,
 }
 
 

@@ -38,7 +38,9 @@ _DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed")
 _LATEX_COMMAND = re.compile(r"\\[a-zA-Z]+")
 _WORD = re.compile(r"[a-zA-Z]{2,}")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textnormal|mathrm|mbox|operatorname)\s*\{([^{}]*)\}")
-_MATH_WORDS = frozenset(["pi", "infty", "infinity", "inf", "oo", "sqrt", "frac", "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln", "exp", "mod", "gcd", "lcm"])
+_MATH_WORDS = frozenset(
+    ["pi", "infty", "infinity", "inf", "oo", "sqrt", "frac", "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln", "exp", "mod", "gcd", "lcm"]
+)
 _ANSWER_PREFIX = re.compile(r"^(?:(?:so|thus|therefore|hence|the|final|answer|is)\s+)+")
 
 

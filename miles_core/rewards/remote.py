@@ -62,6 +62,7 @@ class RemotePolicy:
 @dataclass
 class _Endpoint:
     """Per-URL state shared by every caller in the process: the concurrency gate and the breaker."""
+
     gate: threading.BoundedSemaphore
     lock: threading.Lock = field(default_factory=threading.Lock)
     failures: int = 0
@@ -123,13 +124,15 @@ def _reward_of(data: bytes, url: str, policy: RemotePolicy) -> float:
     try:
         value = json.loads(data)["reward"]
     except (ValueError, KeyError, TypeError, RecursionError):
-        raise RemoteRewardError(f"reward model at {url} returned garbage (expected JSON {{\"reward\": number}}): {data[:200]!r}") from None
+        raise RemoteRewardError(f'reward model at {url} returned garbage (expected JSON {{"reward": number}}): {data[:200]!r}') from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RemoteRewardError(f"reward model at {url} returned a non-numeric reward: {value!r:.200}")
     low, high = policy.reward_range
     if not low <= value <= high:
         if policy.out_of_range != "clamp":
-            raise RemoteRewardError(f"reward model at {url} returned {value}, outside [reward.min, reward.max] = [{low}, {high}] (reward.remote_out_of_range: error)")
+            raise RemoteRewardError(
+                f"reward model at {url} returned {value}, outside [reward.min, reward.max] = [{low}, {high}] (reward.remote_out_of_range: error)"
+            )
         log.warning("reward model at %s returned %s, clamped into [%s, %s] (reward.remote_out_of_range: clamp)", url, value, low, high)
         value = min(max(value, low), high)
     return float(value)
@@ -165,7 +168,8 @@ def _check_breaker(url: str, state: _Endpoint, policy: RemotePolicy) -> None:
         if time.monotonic() - state.opened_at < policy.breaker_reset_s:
             raise RemoteRewardUnavailable(
                 f"reward model at {url} failed {state.failures} times in a row (reward.remote_max_consecutive_failures="
-                f"{policy.max_consecutive_failures}): not calling it again for {policy.breaker_reset_s}s; the step fails")
+                f"{policy.max_consecutive_failures}): not calling it again for {policy.breaker_reset_s}s; the step fails"
+            )
         state.opened_at = None  # half-open: this call is the trial
 
 

@@ -93,16 +93,26 @@ class Conversation:
     def sample(self) -> Sample:
         versions = [t["weight_version"] for t in self.turns if t["role"] == "assistant"]
         return Sample(
-            prompt_id=self.prompt.id, index=self.index, prompt_tokens=self.prompt_tokens, response_tokens=self.tokens,
-            rollout_logprobs=self.logprobs, loss_mask=self.mask,
-            finish_reason=FINISH_STOP if self.stop_reason == "answer" else FINISH_LENGTH, weight_version=min(versions),
-            label=self.prompt.label, metadata={**self.prompt.metadata, "turns": self.turns, "stop_reason": self.stop_reason},
+            prompt_id=self.prompt.id,
+            index=self.index,
+            prompt_tokens=self.prompt_tokens,
+            response_tokens=self.tokens,
+            rollout_logprobs=self.logprobs,
+            loss_mask=self.mask,
+            finish_reason=FINISH_STOP if self.stop_reason == "answer" else FINISH_LENGTH,
+            weight_version=min(versions),
+            label=self.prompt.label,
+            metadata={**self.prompt.metadata, "turns": self.turns, "stop_reason": self.stop_reason},
         )
 
 
 def _limits(settings: MultiTurnConfig) -> SandboxLimits:
-    return SandboxLimits(wall_s=settings.tool_timeout_s, cpu_s=settings.tool_cpu_s, memory_mb=settings.tool_memory_mb,
-                         max_output_bytes=max(4 * settings.max_tool_output_chars, 4096))
+    return SandboxLimits(
+        wall_s=settings.tool_timeout_s,
+        cpu_s=settings.tool_cpu_s,
+        memory_mb=settings.tool_memory_mb,
+        max_output_bytes=max(4 * settings.max_tool_output_chars, 4096),
+    )
 
 
 def _run_tool(call: tuple[str, str], allowed: list[str], limits: SandboxLimits, max_chars: int) -> tuple[str, bool]:
@@ -140,7 +150,9 @@ def _take_turn(active: list[Conversation], generations, tokenizer, settings: Mul
     return calls
 
 
-def generate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, params: SamplingParams, rollout_cfg: RolloutConfig | None = None) -> tuple[list[Sample], dict]:
+def generate(
+    engine: RolloutEngine, prompts: list[Prompt], tokenizer, params: SamplingParams, rollout_cfg: RolloutConfig | None = None
+) -> tuple[list[Sample], dict]:
     """Plug-point `rollout.generate_fn` (signature of `miles_core.step.generate`), multi-turn with tools.
 
     `rollout_cfg.multi_turn` holds the turn and tool settings (defaults when not given);

@@ -96,7 +96,10 @@ def create(memory_bytes: int, max_pids: int, root: Path = ROOT) -> SandboxCgroup
         return SandboxCgroup({"memory": group, "pids": group} if group else {}, 2)
     dirs = {}
     # v1: memsw (memory + swap) may only be set once the memory limit is at most its value
-    for controller, limits in (("memory", {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes}), ("pids", {"pids.max": max_pids})):
+    for controller, limits in (
+        ("memory", {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes}),
+        ("pids", {"pids.max": max_pids}),
+    ):
         own = own_group(controller)
         if own is not None and (root / controller).is_dir():
             group = _make(root / controller / own.lstrip("/"), name, limits)

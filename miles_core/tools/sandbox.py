@@ -95,8 +95,11 @@ class SandboxResult:
         if self.ok:
             return self.stdout
         reason = {
-            TIMEOUT: "wall-clock limit reached", OUTPUT_LIMIT: "output limit reached", CPU_LIMIT: "CPU-time limit reached",
-            MEMORY_LIMIT: "memory limit reached", CRASHED: f"crashed (exit {self.exit_code})",
+            TIMEOUT: "wall-clock limit reached",
+            OUTPUT_LIMIT: "output limit reached",
+            CPU_LIMIT: "CPU-time limit reached",
+            MEMORY_LIMIT: "memory limit reached",
+            CRASHED: f"crashed (exit {self.exit_code})",
         }.get(self.status, "")
         last = self.stderr.strip().splitlines()[-1] if self.stderr.strip() else ""
         return "\n".join(x for x in (self.stdout.rstrip(), last, f"[{self.status}] {reason}".rstrip()) if x)
@@ -180,15 +183,85 @@ def _bwrap_args(limits: SandboxLimits, code_fd: int, seccomp_fd: int, masks: dic
         raise SandboxUnavailable("bubblewrap is not installed (no `bwrap` on PATH): `apt-get install bubblewrap` (make setup does)")
     masked = [arg for name, fd in masks.items() for arg in ("--ro-bind-data", str(fd), f"/proc/{name}")]
     return [
-        bwrap, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns",
-        "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-        "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin",
-        "--proc", "/proc", *masked, "--dev", "/dev", "--perms", "1777", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-        "--perms", "1777", "--size", str(limits.scratch_mb << 20), "--tmpfs", "/scratch",
-        "--perms", "0755", "--dir", "/code", "--perms", "0444", "--file", str(code_fd), "/code/main.py", "--remount-ro", "/", "--chdir", "/scratch",
-        "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/scratch", "--setenv", "TMPDIR", "/scratch",
-        "--setenv", "PYTHONIOENCODING", "utf-8:backslashreplace", "--seccomp", str(seccomp_fd),
-        limits.python, "-I", "-B", "/code/main.py",
+        bwrap,
+        "--unshare-user",
+        "--uid",
+        str(NOBODY),
+        "--gid",
+        str(NOBODY),
+        "--disable-userns",
+        "--unshare-net",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--hostname",
+        "sandbox",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--symlink",
+        "usr/lib64",
+        "/lib64",
+        "--symlink",
+        "usr/bin",
+        "/bin",
+        "--proc",
+        "/proc",
+        *masked,
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(SHM_BYTES),
+        "--tmpfs",
+        "/dev/shm",
+        "--remount-ro",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(limits.scratch_mb << 20),
+        "--tmpfs",
+        "/scratch",
+        "--perms",
+        "0755",
+        "--dir",
+        "/code",
+        "--perms",
+        "0444",
+        "--file",
+        str(code_fd),
+        "/code/main.py",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/scratch",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/bin",
+        "--setenv",
+        "HOME",
+        "/scratch",
+        "--setenv",
+        "TMPDIR",
+        "/scratch",
+        "--setenv",
+        "PYTHONIOENCODING",
+        "utf-8:backslashreplace",
+        "--seccomp",
+        str(seccomp_fd),
+        limits.python,
+        "-I",
+        "-B",
+        "/code/main.py",
     ]
 
 
@@ -210,8 +283,12 @@ def _launch_spec(limits: SandboxLimits, uid: int | None, group: SandboxCgroup) -
     shared_user = uid is None and "pids" not in group.controllers
     nproc = limits.max_processes + BWRAP_PROCESSES + (_own_processes() if shared_user else 0)
     rlimits = {
-        "RLIMIT_CPU": limits.cpu_s, "RLIMIT_AS": limits.memory_mb << 20, "RLIMIT_NPROC": nproc,
-        "RLIMIT_FSIZE": limits.max_file_mb << 20, "RLIMIT_NOFILE": limits.max_open_files, "RLIMIT_CORE": 0,
+        "RLIMIT_CPU": limits.cpu_s,
+        "RLIMIT_AS": limits.memory_mb << 20,
+        "RLIMIT_NPROC": nproc,
+        "RLIMIT_FSIZE": limits.max_file_mb << 20,
+        "RLIMIT_NOFILE": limits.max_open_files,
+        "RLIMIT_CORE": 0,
     }
     return json.dumps({"cgroup_procs": group.procs_files, "rlimits": rlimits, "uid": uid, "keyctl": seccomp.syscall_number("keyctl")})
 
@@ -302,8 +379,15 @@ def run_python(code: str | bytes, limits: SandboxLimits = SandboxLimits()) -> Sa
             sandbox = _bwrap_args(limits, code_file.fileno(), filter_file.fileno(), masks)
             cmd = [limits.python, "-I", "-S", "-c", _LAUNCHER, _launch_spec(limits, uid, group), *sandbox]
             # env: no host variable reaches the launcher, so none shows in bwrap's init's /proc/1/environ either
-            proc = subprocess.Popen(cmd, env={"PATH": "/usr/bin"}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    pass_fds=(code_file.fileno(), filter_file.fileno(), *masks.values()))
+            proc = subprocess.Popen(
+                cmd,
+                env={"PATH": "/usr/bin"},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=(code_file.fileno(), filter_file.fileno(), *masks.values()),
+            )
             try:
                 out, err, killed = _collect(proc, limits, started)
             finally:

@@ -22,16 +22,48 @@ from __future__ import annotations
 import platform
 import struct
 
-DENIED = ("keyctl", "add_key", "request_key", "memfd_create", "memfd_secret", "shmget", "ptrace", "process_vm_readv", "process_vm_writev",
-          "kcmp", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register", "unshare", "setns",
-          "mount", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
-          "name_to_handle_at", "open_by_handle_at")
+DENIED = (
+    "keyctl",
+    "add_key",
+    "request_key",
+    "memfd_create",
+    "memfd_secret",
+    "shmget",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "name_to_handle_at",
+    "open_by_handle_at",
+)
 # machine: (AUDIT_ARCH, the numbers of DENIED in order), from the kernel's syscall tables
 _NUMBERS = {
-    "x86_64": (0xC000003E, (250, 248, 249, 319, 447, 29, 101, 310, 311, 312, 321, 298, 323, 425, 426, 427, 272, 308, 165, 166, 155, 428, 429, 430,
-                            431, 432, 433, 442, 303, 304)),
-    "aarch64": (0xC00000B7, (219, 217, 218, 279, 447, 194, 117, 270, 271, 272, 280, 241, 282, 425, 426, 427, 97, 268, 40, 39, 41, 428, 429, 430,
-                             431, 432, 433, 442, 264, 265)),
+    "x86_64": (
+        0xC000003E,
+        (250, 248, 249, 319, 447, 29, 101, 310, 311, 312, 321, 298, 323, 425, 426, 427, 272, 308, 165, 166, 155, 428, 429, 430, 431, 432, 433, 442, 303, 304),
+    ),
+    "aarch64": (
+        0xC00000B7,
+        (219, 217, 218, 279, 447, 194, 117, 270, 271, 272, 280, 241, 282, 425, 426, 427, 97, 268, 40, 39, 41, 428, 429, 430, 431, 432, 433, 442, 264, 265),
+    ),
 }
 X32_BIT = 0x40000000  # x86_64's x32 ABI: the same calls under numbers with this bit set
 

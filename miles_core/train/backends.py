@@ -70,8 +70,9 @@ def save_checkpoint(trainer: Trainer, critic: Trainer | None, out_dir: Path, tok
     trainer.save_atomically(out_dir, tokenizer_dir, also=also)
 
 
-def train_checkpoint(cfg: TrainConfig, fns: StepFns, ckpt_dir: str, samples: list[Sample], reference_dir: str, out_dir: Path,
-                     iteration: int) -> tuple[int, dict[str, float]]:
+def train_checkpoint(
+    cfg: TrainConfig, fns: StepFns, ckpt_dir: str, samples: list[Sample], reference_dir: str, out_dir: Path, iteration: int
+) -> tuple[int, dict[str, float]]:
     """The train stage from a checkpoint to the next: load, `step.train_step`, save atomically to out_dir,
     the after_save hook. Returns (optimizer steps so far, metrics).
 

@@ -76,7 +76,9 @@ class Trainer(Protocol):
     def logprobs(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
         """Per-token log-probs [B, T] of the batch's responses under the current policy, no grad."""
 
-    def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights) -> dict[str, float]:
+    def train_on(
+        self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights
+    ) -> dict[str, float]:
         """Optimizer steps over the batch (split into mini-batches, each into micro-batches);
         each mini-batch's loss is sum(weights_fn(its loss mask) * loss_fn(...)), computed over the
         whole mini-batch before it is split, so the aggregation does not depend on the micro-batch
@@ -129,7 +131,9 @@ class TrainerBase:
         pass
 
     # the shared loop ------------------------------------------------------------------------------
-    def train_on(self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights) -> dict[str, float]:
+    def train_on(
+        self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights
+    ) -> dict[str, float]:
         """cfg.mini_batches optimizer steps over the batch; each mini-batch's loss is
         sum(weights_fn(its loss mask) * loss_fn(...)), its weights computed over the whole mini-batch
         before any split, so the aggregation depends neither on micro-batching nor on sharding."""
@@ -146,11 +150,13 @@ class TrainerBase:
             grad_norms.append(float(self._optimizer_step()))
             self.step += 1
         out = {f"train/{k}": v for k, v in self._totals(sums, float(batch.loss_mask.sum())).items()}
-        out.update({
-            "train/grad_norm": sum(grad_norms) / len(grad_norms),
-            "train/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - started),
-            "train/step": float(self.step),
-        })
+        out.update(
+            {
+                "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                "train/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - started),
+                "train/step": float(self.step),
+            }
+        )
         return out
 
     def _set_lr(self, lr: float | None) -> None:

@@ -32,11 +32,20 @@ def demonstrations(prompts: list[Prompt], tokenizer) -> list[Sample]:
             else:
                 response = response_tokens(tokenizer, str(demo))
                 mask = [1] * len(response)
-            out.append(Sample(
-                prompt_id=p.id, index=i, prompt_tokens=prompt, response_tokens=response,
-                rollout_logprobs=[0.0] * len(response), loss_mask=mask, finish_reason="stop",
-                weight_version=0, label=p.label, metadata=p.metadata,
-            ))
+            out.append(
+                Sample(
+                    prompt_id=p.id,
+                    index=i,
+                    prompt_tokens=prompt,
+                    response_tokens=response,
+                    rollout_logprobs=[0.0] * len(response),
+                    loss_mask=mask,
+                    finish_reason="stop",
+                    weight_version=0,
+                    label=p.label,
+                    metadata=p.metadata,
+                )
+            )
     return out
 
 

@@ -54,9 +54,7 @@ class TorchTrainer(TrainerBase):
         self.model = model.float().train()
         self.cfg = cfg
         self.step = step
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
-        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 
     @classmethod
     def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> TorchTrainer:

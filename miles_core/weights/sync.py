@@ -78,8 +78,7 @@ class WeightSender:
         self.group_name = group_name
 
     @classmethod
-    def open(cls, master_address: str, master_port: int, world_size: int, group_name: str,
-             backend: str = "gloo", timeout_s: float = 300.0) -> "WeightSender":
+    def open(cls, master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "gloo", timeout_s: float = 300.0) -> WeightSender:
         # torch has no public constructor for a second, named group outside init_process_group;
         # the helper below is what init_process_group and new_group use internally.
         from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
@@ -88,7 +87,13 @@ class WeightSender:
         store, rank, size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
         store.set_timeout(timeout)
         group, _ = _new_process_group_helper(
-            size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout,
+            size,
+            rank,
+            [],
+            Backend(backend),
+            PrefixStore(group_name, store),
+            group_name=group_name,
+            timeout=timeout,
         )
         _world.pg_group_ranks[group] = {i: i for i in range(size)}
         return cls(group, size, group_name)

@@ -101,7 +101,10 @@ def test_bad_plugin_paths_name_the_field(path, needle):
 def test_a_bad_plugin_fails_the_recipe_before_anything_runs():
     out = subprocess.run(
         [sys.executable, "-m", "miles_core.config", "recipes/smoke.yaml", "algo.loss_fn=docs.examples:exact_text"],
-        cwd=ROOT, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert out.returncode == 2 and out.stdout == ""
     assert "algo.loss_fn: docs.examples:exact_text does not take (algo, logprobs, entropy, mask, extras)" in out.stderr
@@ -111,7 +114,9 @@ def protocol_methods(protocol) -> set[str]:
     return {name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")}
 
 
-@pytest.mark.parametrize("protocol, implementation", [(RolloutEngine, TorchEngine), (Trainer, TorchTrainer), (Trainer, TorchCritic), (Trainer, MegatronTrainer)])
+@pytest.mark.parametrize(
+    "protocol, implementation", [(RolloutEngine, TorchEngine), (Trainer, TorchTrainer), (Trainer, TorchCritic), (Trainer, MegatronTrainer)]
+)
 def test_backends_implement_their_protocol(protocol, implementation):
     for name in protocol_methods(protocol):
         mine, theirs = inspect.signature(getattr(implementation, name)), inspect.signature(getattr(protocol, name))

@@ -31,8 +31,14 @@ def ray_processes_of(session: int) -> list[int]:
 
 
 def kill_mid_second_phase(root, home) -> None:
-    proc = subprocess.Popen(workflow_command(RECIPE, root, *OVERRIDES), cwd=REPO, env=workflow_env(home),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        workflow_command(RECIPE, root, *OVERRIDES),
+        cwd=REPO,
+        env=workflow_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 600
     while not list(root.glob("async/0001-*")):  # the first phase has finished
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -77,6 +83,14 @@ def test_async_phases_resume_after_a_kill_without_losing_or_repeating_a_sample(t
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3, 4, 5]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "async_staleness_mean")] == [2, 3, 4, 5]  # the async steps
-    for key in ("async_queue_depth_mean", "async_staleness_mean", "async_trainer_idle_s", "async_rollout_idle_s",
-                "async_weight_push_s", "async_samples_per_s", "async_tokens_per_s", "train_loss"):
+    for key in (
+        "async_queue_depth_mean",
+        "async_staleness_mean",
+        "async_trainer_idle_s",
+        "async_rollout_idle_s",
+        "async_weight_push_s",
+        "async_samples_per_s",
+        "async_tokens_per_s",
+        "train_loss",
+    ):
         assert key in run.data.metrics, key

@@ -28,7 +28,12 @@ def test_malformed_prompt_file_fails_naming_row_and_key_and_keeps_the_run_root(s
     test.write_text(json.dumps(good) + "\n")
     out = subprocess.run(
         workflow_command("recipes/smoke.yaml", root, f"data.train_file={train}", f"data.test_file={test}"),
-        cwd=REPO, env=workflow_env(tmp_path / "home"), capture_output=True, text=True, timeout=600, check=False,
+        cwd=REPO,
+        env=workflow_env(tmp_path / "home"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert out.returncode != 0
     log = " ".join((out.stdout + out.stderr).split())
@@ -70,13 +75,23 @@ def test_a_batch_outside_the_models_vocabulary_or_in_split_groups_fails_the_scor
     policy = build_tiny_model(ModelConfig(num_layers=1), str(tmp_path / "policy"))
     vocab = AutoConfig.from_pretrained(policy).vocab_size
     rollout = RolloutConfig(n_samples=2)
-    cases = {"vocab": (f"ids_below_vocab_size({vocab})", [(f"p{i // 2}", i % 2, vocab if i == 3 else 5) for i in range(4)]),
-             "groups": ("whole_groups_of(2)", [("p0", 0, 5), ("p0", 1, 5), ("p1", 0, 5), ("p2", 1, 5)])}
+    cases = {
+        "vocab": (f"ids_below_vocab_size({vocab})", [(f"p{i // 2}", i % 2, vocab if i == 3 else 5) for i in range(4)]),
+        "groups": ("whole_groups_of(2)", [("p0", 0, 5), ("p0", 1, 5), ("p1", 0, 5), ("p2", 1, 5)]),
+    }
     for name, (check, rows) in cases.items():
         path = tmp_path / f"{name}.parquet"
         to_frame([Sample(p, i, [5, 6], [token, 7], [-0.5, -0.5], [1, 1], "stop", 0, "1", {}) for p, i, token in rows]).to_parquet(path)
         before = sha256_file(path)
         with pytest.raises(Exception, match=rf"{path.name}: .*check {re.escape(repr(check))} failed"):
-            score(cfg=RewardConfig(), hooks=HooksConfig(), rollout=rollout, policy=Policy(dir=FlyteDirectory(policy), version=0),
-                  batch=RolloutResult(batch=FlyteFile(str(path)), state=DataState(), metrics={}), iteration=0, root=str(tmp_path / "runs"), code="")
+            score(
+                cfg=RewardConfig(),
+                hooks=HooksConfig(),
+                rollout=rollout,
+                policy=Policy(dir=FlyteDirectory(policy), version=0),
+                batch=RolloutResult(batch=FlyteFile(str(path)), state=DataState(), metrics={}),
+                iteration=0,
+                root=str(tmp_path / "runs"),
+                code="",
+            )
         assert sha256_file(path) == before

@@ -19,9 +19,21 @@ pytestmark = pytest.mark.flyte
 
 SETTINGS = SerializationSettings(
     image_config=ImageConfig(default_image=Image(name="default", fqn="ghcr.io/miles-flyte/default", tag="v0")),
-    project="miles", domain="development", version="v0",
+    project="miles",
+    domain="development",
+    version="v0",
 )
-CACHED = [prepare.build_model, prepare.make_data, sft.sft, rl_tasks.convert, rl_tasks.rollout, rl_tasks.score, rl_tasks.train, rl_tasks.publish, rl_tasks.evaluate]
+CACHED = [
+    prepare.build_model,
+    prepare.make_data,
+    sft.sft,
+    rl_tasks.convert,
+    rl_tasks.rollout,
+    rl_tasks.score,
+    rl_tasks.train,
+    rl_tasks.publish,
+    rl_tasks.evaluate,
+]
 UNCACHED = [tracking.start_run, tracking.log_iteration, tracking.finish_run]
 
 

@@ -29,15 +29,18 @@ def shared(tmp_path_factory):
 
 
 def accuracies(out) -> tuple[float, float]:
-    (before, after), = REPORT.findall(out.stdout)
+    ((before, after),) = REPORT.findall(out.stdout)
     return float(before), float(after)
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param([], id="torch"),
-    pytest.param(["train.backend=megatron"], id="megatron", marks=pytest.mark.integration),
-    pytest.param(["rollout.engine=sglang"], id="sglang", marks=pytest.mark.integration),
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param([], id="torch"),
+        pytest.param(["train.backend=megatron"], id="megatron", marks=pytest.mark.integration),
+        pytest.param(["rollout.engine=sglang"], id="sglang", marks=pytest.mark.integration),
+    ],
+)
 def test_sft_then_rl_raise_held_out_accuracy(shared, backend):
     root, home = shared
     out = run_workflow(RECIPE, root, home, *backend)

@@ -1,7 +1,6 @@
 """The trainer tasks (one set for both backends) and the megatron recipes compile into the Flyte spec:
 Elastic pods, cache settings, resources, and the train task's processes taken from the recipe."""
 
-
 import pytest
 from flytekit import workflow
 from flytekit.models.task import Resources
@@ -40,8 +39,17 @@ def test_megatron_recipes_validate_and_compile_with_their_resources(recipe):
     @workflow
     def one_step(ckpt: Checkpoint, batch: BatchResult, reference: Policy):
         rl_tasks.train(
-            algo=cfg.algo, cfg=cfg.train, reward=cfg.reward, rollout=cfg.rollout, hooks=cfg.hooks, ckpt=ckpt, batch=batch,
-            reference=reference, iteration=0, root=cfg.run_root, code="",
+            algo=cfg.algo,
+            cfg=cfg.train,
+            reward=cfg.reward,
+            rollout=cfg.rollout,
+            hooks=cfg.hooks,
+            ckpt=ckpt,
+            batch=batch,
+            reference=reference,
+            iteration=0,
+            root=cfg.run_root,
+            code="",
         ).with_overrides(**rl_tasks.train_overrides(cfg.train))
 
     overrides = compile_entity(one_step).template.nodes[0].task_node.overrides

@@ -39,8 +39,14 @@ def test_run_trains_and_tracks(smoke_run):
 def test_killed_run_resumes_from_cache_to_the_same_weights(smoke_run, tmp_path):
     root_a, _ = smoke_run
     root, home = tmp_path / "runs", tmp_path / "home"
-    proc = subprocess.Popen(workflow_command("recipes/smoke.yaml", root, "iterations=3"), cwd=REPO, env=workflow_env(home),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        workflow_command("recipes/smoke.yaml", root, "iterations=3"),
+        cwd=REPO,
+        env=workflow_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 600
     while not list(root.glob("checkpoint/0002-*")):  # the train task of iteration 2 has finished
         assert proc.poll() is None, "the run ended before it could be killed"

@@ -69,6 +69,7 @@ def _drop(conn, stop):
 def _fixed(body: bytes, status: str = "200 OK"):
     def handler(conn, stop):
         conn.sendall(_reply(body, status))
+
     return handler
 
 
@@ -135,12 +136,16 @@ def _timed(url: str, policy: RemotePolicy):
     return str(err.value), time.monotonic() - started
 
 
-@pytest.mark.parametrize("handler,accept,reason", [
-    (_hang, True, "did not answer within the deadline"),
-    (_trickle, True, "did not answer within the deadline"),
-    (_trickle_headers, True, "did not answer within the deadline|dropped"),
-    (None, False, "did not answer within the deadline"),  # slow accept: the connection waits in the backlog
-], ids=["hanging", "trickling body", "trickling headers", "slow accept"])
+@pytest.mark.parametrize(
+    "handler,accept,reason",
+    [
+        (_hang, True, "did not answer within the deadline"),
+        (_trickle, True, "did not answer within the deadline"),
+        (_trickle_headers, True, "did not answer within the deadline|dropped"),
+        (None, False, "did not answer within the deadline"),  # slow accept: the connection waits in the backlog
+    ],
+    ids=["hanging", "trickling body", "trickling headers", "slow accept"],
+)
 def test_a_slow_server_costs_the_deadline_in_all(serve, handler, accept, reason):
     """One deadline of 0.6 s covers every attempt (2 retries), however the server stalls."""
     server = serve(handler, accept)
@@ -157,16 +162,20 @@ def test_a_huge_reply_is_refused_at_the_cap(serve, handler):
     assert seconds < 2.0  # refused at once, not read to the end
 
 
-@pytest.mark.parametrize("body,reason", [
-    (b'{"reward": "1"}', "non-numeric reward: '1'"),
-    (b'{"reward": true}', "non-numeric reward: True"),
-    (b'{"reward": NaN}', "non-numeric reward: nan"),
-    (b'{"reward": [1]}', "non-numeric reward: [1]"),
-    (b"[1, 2]", "returned garbage"),
-    (b'{"score": 1}', "returned garbage"),
-    (b"\xff\xfe not json", "returned garbage"),
-    (b"[" * 100000, "returned garbage"),  # nesting past the JSON parser's recursion limit
-], ids=["string", "bool", "nan", "list", "array", "no reward key", "bytes", "deep nesting"])
+@pytest.mark.parametrize(
+    "body,reason",
+    [
+        (b'{"reward": "1"}', "non-numeric reward: '1'"),
+        (b'{"reward": true}', "non-numeric reward: True"),
+        (b'{"reward": NaN}', "non-numeric reward: nan"),
+        (b'{"reward": [1]}', "non-numeric reward: [1]"),
+        (b"[1, 2]", "returned garbage"),
+        (b'{"score": 1}', "returned garbage"),
+        (b"\xff\xfe not json", "returned garbage"),
+        (b"[" * 100000, "returned garbage"),  # nesting past the JSON parser's recursion limit
+    ],
+    ids=["string", "bool", "nan", "list", "array", "no reward key", "bytes", "deep nesting"],
+)
 def test_wrong_typed_replies_are_named(serve, body, reason):
     server = serve(_fixed(body))
     message, _ = _timed(server.url, RemotePolicy(timeout_s=2.0, max_response_bytes=200000, max_consecutive_failures=100))
@@ -203,6 +212,7 @@ def test_circuit_breaker_opens_after_consecutive_failures(serve):
 
 def test_concurrency_limit_holds(serve):
     """16 samples at once against a server that answers after 0.2 s: never more than 2 connections open."""
+
     def slow_ok(conn, stop):
         stop.wait(0.2)
         conn.sendall(_reply(b'{"reward": 1}'))
@@ -242,15 +252,18 @@ def test_a_prompt_selects_an_endpoint_by_name_and_never_supplies_an_address(serv
         hub.remote("x", "y", {"reward_endpoint": other.url}, reward_cfg=cfg)  # an address is not a name
 
 
-@pytest.mark.parametrize("kwargs,key", [
-    ({"remote_endpoints": "judge"}, "reward.remote_endpoints"),
-    ({"remote_endpoints": "judge=file:///etc/passwd"}, "reward.remote_endpoints"),
-    ({"remote_endpoints": "a=http://x/1,a=http://x/2"}, "reward.remote_endpoints"),
-    ({"remote_url": "ftp://x"}, "reward.remote_url"),
-    ({"remote_timeout_s": float("inf")}, "reward.remote_timeout_s"),
-    ({"remote_out_of_range": "ignore"}, "reward.remote_out_of_range"),
-    ({"remote_max_response_bytes": 0}, "reward.remote_max_response_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"remote_endpoints": "judge"}, "reward.remote_endpoints"),
+        ({"remote_endpoints": "judge=file:///etc/passwd"}, "reward.remote_endpoints"),
+        ({"remote_endpoints": "a=http://x/1,a=http://x/2"}, "reward.remote_endpoints"),
+        ({"remote_url": "ftp://x"}, "reward.remote_url"),
+        ({"remote_timeout_s": float("inf")}, "reward.remote_timeout_s"),
+        ({"remote_out_of_range": "ignore"}, "reward.remote_out_of_range"),
+        ({"remote_max_response_bytes": 0}, "reward.remote_max_response_bytes"),
+    ],
+)
 def test_bad_remote_settings_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         RewardConfig(**kwargs)

@@ -45,7 +45,10 @@ def sys_call(*args):  # a raw syscall; an error return becomes OSError like os.*
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     return ret
 """
-NR = {name: seccomp.syscall_number(name) for name in ("keyctl", "add_key", "request_key", "shmget", "ptrace", "unshare", "setns", "mount", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup")}
+NR = {
+    name: seccomp.syscall_number(name)
+    for name in ("keyctl", "add_key", "request_key", "shmget", "ptrace", "unshare", "setns", "mount", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup")
+}
 CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
 
 
@@ -98,9 +101,14 @@ CORPUS = [
     # nested namespaces
     blocked("unshare a user namespace", "get full capabilities where the limits do not apply", "sys_call(NR['unshare'], CLONE_NEWUSER)"),
     blocked("unshare a mount namespace", "mount freely inside a new namespace", "sys_call(NR['unshare'], CLONE_NEWNS)"),
-    blocked("unshare(1) -Ur", "a 1 GB tmpfs with full capabilities in a child namespace",
-            "subprocess.run(['unshare', '-Ur', 'sh', '-c', 'mount -t tmpfs none /scratch && echo MOUNTED'], capture_output=True, check=True)"),
-    blocked("bwrap inside", "a sandbox of its own without the limits", "subprocess.run(['bwrap', '--bind', '/', '/', 'true'], capture_output=True, check=True)"),
+    blocked(
+        "unshare(1) -Ur",
+        "a 1 GB tmpfs with full capabilities in a child namespace",
+        "subprocess.run(['unshare', '-Ur', 'sh', '-c', 'mount -t tmpfs none /scratch && echo MOUNTED'], capture_output=True, check=True)",
+    ),
+    blocked(
+        "bwrap inside", "a sandbox of its own without the limits", "subprocess.run(['bwrap', '--bind', '/', '/', 'true'], capture_output=True, check=True)"
+    ),
     blocked("setns into init's user ns", "join another namespace", "sys_call(NR['setns'], os.open('/proc/1/ns/user', os.O_RDONLY), 0)"),
     # introspection and kernel attack surface
     blocked("ptrace the init", "inject code into bwrap's init", "sys_call(NR['ptrace'], 16, 1, 0, 0)"),
@@ -110,7 +118,8 @@ CORPUS = [
     blocked("io_uring", "syscalls the filter cannot see", "sys_call(NR['io_uring_setup'], 8, ctypes.create_string_buffer(120))"),
     # the filter kills the process (SIGSYS, exit 159) on a foreign ABI rather than answer it
     Hostile("x32 ABI keyctl", "reach a denied call under another number", "sys_call(NR['keyctl'] | 0x40000000, 0, -3)\nprint('ESCAPED')", ("crashed",), "")
-    if os.uname().machine == "x86_64" else None,
+    if os.uname().machine == "x86_64"
+    else None,
     # network
     blocked("connect to the host's loopback", "talk to a service on the host", "socket.create_connection(('127.0.0.1', PORT), timeout=1)"),
     blocked("connect out", "exfiltrate to the internet", "socket.create_connection(('1.1.1.1', 53), timeout=1)"),
@@ -126,44 +135,106 @@ CORPUS = [
     # information leaks
     Hostile("kernel command line", "read the host's boot parameters", "print('EMPTY' if open('/proc/cmdline').read() == '' else 'ESCAPED')", expect="EMPTY"),
     Hostile("kernel symbols", "defeat KASLR", "print('EMPTY' if open('/proc/kallsyms').read() == '' else 'ESCAPED')", expect="EMPTY"),
-    Hostile("host processes in /proc", "list and read the host's processes",
-            "pids = [int(p) for p in os.listdir('/proc') if p.isdigit()]\nprint('OWN ONLY' if max(pids) < 10 else 'ESCAPED', pids)", expect="OWN ONLY"),
-    Hostile("mount table", "learn the host's layout and the paths of other runs",
-            "t = open('/proc/self/mountinfo').read()\nprint('ESCAPED' if any(p in t for p in ('/tmp', '/work', '/root', '/home', 'sandbox-')) else 'CLEAN')", expect="CLEAN"),
-    Hostile("environment", "read the host's secrets from the environment",
-            "print('ESCAPED' if SECRET in repr(os.environ) else 'CLEAN', sorted(os.environ))", expect="CLEAN"),
-    Hostile("init's environment", "read the host's environment through bwrap's init",
-            "print('ESCAPED' if SECRET.encode() in open('/proc/1/environ', 'rb').read() else 'CLEAN')", expect="CLEAN"),
+    Hostile(
+        "host processes in /proc",
+        "list and read the host's processes",
+        "pids = [int(p) for p in os.listdir('/proc') if p.isdigit()]\nprint('OWN ONLY' if max(pids) < 10 else 'ESCAPED', pids)",
+        expect="OWN ONLY",
+    ),
+    Hostile(
+        "mount table",
+        "learn the host's layout and the paths of other runs",
+        "t = open('/proc/self/mountinfo').read()\nprint('ESCAPED' if any(p in t for p in ('/tmp', '/work', '/root', '/home', 'sandbox-')) else 'CLEAN')",
+        expect="CLEAN",
+    ),
+    Hostile(
+        "environment",
+        "read the host's secrets from the environment",
+        "print('ESCAPED' if SECRET in repr(os.environ) else 'CLEAN', sorted(os.environ))",
+        expect="CLEAN",
+    ),
+    Hostile(
+        "init's environment",
+        "read the host's environment through bwrap's init",
+        "print('ESCAPED' if SECRET.encode() in open('/proc/1/environ', 'rb').read() else 'CLEAN')",
+        expect="CLEAN",
+    ),
     Hostile("hostname", "identify the host", "print('ESCAPED' if socket.gethostname() == HOSTNAME else 'OWN UTS')", expect="OWN UTS"),
     Hostile("uid", "act as a user the host knows", "print('NOBODY' if os.getuid() == 65534 and os.getgid() == 65534 else 'ESCAPED')", expect="NOBODY"),
-    Hostile("capabilities", "hold capabilities", "print('NO CAPS' if 'CapEff:\\t0000000000000000' in open('/proc/self/status').read() else 'ESCAPED')", expect="NO CAPS"),
-    Hostile("no_new_privs", "regain privileges through a setuid binary", "print('SET' if 'NoNewPrivs:\\t1' in open('/proc/self/status').read() else 'ESCAPED')", expect="SET"),
-    Hostile("seccomp on", "run without the filter", "print('FILTERED' if 'Seccomp:\\t2' in open('/proc/self/status').read() else 'ESCAPED')", expect="FILTERED"),
+    Hostile(
+        "capabilities",
+        "hold capabilities",
+        "print('NO CAPS' if 'CapEff:\\t0000000000000000' in open('/proc/self/status').read() else 'ESCAPED')",
+        expect="NO CAPS",
+    ),
+    Hostile(
+        "no_new_privs",
+        "regain privileges through a setuid binary",
+        "print('SET' if 'NoNewPrivs:\\t1' in open('/proc/self/status').read() else 'ESCAPED')",
+        expect="SET",
+    ),
+    Hostile(
+        "seccomp on", "run without the filter", "print('FILTERED' if 'Seccomp:\\t2' in open('/proc/self/status').read() else 'ESCAPED')", expect="FILTERED"
+    ),
     # resource exhaustion
     Hostile("infinite loop", "hold a core for ever", "while True:\n    pass", ("cpu_limit", "timeout"), ""),
     Hostile("fork bomb", "exhaust the host's process table", "while True:\n    os.fork()", ("error", "timeout"), "Resource temporarily unavailable"),
-    Hostile("thread bomb", "exhaust the process table with threads", "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(60,)).start()",
-            ("error", "timeout"), "can't start new thread"),
+    Hostile(
+        "thread bomb",
+        "exhaust the process table with threads",
+        "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(60,)).start()",
+        ("error", "timeout"),
+        "can't start new thread",
+    ),
     Hostile("memory bomb", "take the host's memory", "x = bytearray(2 << 30)", ("memory_limit",), "MemoryError"),
     Hostile("growing list", "take the host's memory slowly", "x = []\nwhile True:\n    x.append('a' * 10**6)", ("memory_limit",), ""),
-    Hostile("memory across processes", "pass the per-process limit with many processes",
-            "import time\nfor _ in range(4):\n    if os.fork() == 0:\n        b = bytearray(200 << 20)\n        b[::4096] = b'1' * len(b[::4096])\n        time.sleep(3)\n        os._exit(0)\n"
-            "print('EXITS', [os.wait()[1] for _ in range(4)])", ("memory_limit",), "", needs_memory_cgroup=True),
+    Hostile(
+        "memory across processes",
+        "pass the per-process limit with many processes",
+        "import time\nfor _ in range(4):\n    if os.fork() == 0:\n        b = bytearray(200 << 20)\n        b[::4096] = b'1' * len(b[::4096])\n        time.sleep(3)\n        os._exit(0)\n"
+        "print('EXITS', [os.wait()[1] for _ in range(4)])",
+        ("memory_limit",),
+        "",
+        needs_memory_cgroup=True,
+    ),
     Hostile("reserve a huge mapping", "overcommit the host", "import mmap\nattempt(lambda: mmap.mmap(-1, 8 << 30))", ("ok",)),
-    Hostile("decompression bomb", "expand a small input into gigabytes", "import zlib\nz = zlib.compress(b'0' * (64 << 20))\nx = [zlib.decompress(z) for _ in range(64)]",
-            ("memory_limit",), ""),
+    Hostile(
+        "decompression bomb",
+        "expand a small input into gigabytes",
+        "import zlib\nz = zlib.compress(b'0' * (64 << 20))\nx = [zlib.decompress(z) for _ in range(64)]",
+        ("memory_limit",),
+        "",
+    ),
     Hostile("fill scratch", "fill the host's disk", "attempt(lambda: [open(f'f{i}', 'wb').write(b'0' * (3 << 20)) for i in range(16)])", ("ok",)),
     Hostile("one huge file", "write past the file-size limit", "open('big', 'wb').write(b'0' * (64 << 20))", ("crashed", "error"), ""),
-    Hostile("many small files", "exhaust the scratch tmpfs's inodes and memory", "attempt(lambda: [open(f'f{i}', 'w').close() for i in range(10**6)])", ("ok", "cpu_limit", "timeout"), ""),
+    Hostile(
+        "many small files",
+        "exhaust the scratch tmpfs's inodes and memory",
+        "attempt(lambda: [open(f'f{i}', 'w').close() for i in range(10**6)])",
+        ("ok", "cpu_limit", "timeout"),
+        "",
+    ),
     Hostile("fill /dev/shm", "hold memory in shared memory files", "attempt(lambda: open('/dev/shm/x', 'wb').write(b'0' * (8 << 20)))", ("ok",)),
     Hostile("open every fd", "exhaust the host's file table", "attempt(lambda: [open('/dev/null') for _ in range(10**5)])", ("ok",)),
     Hostile("huge print", "flood the host's memory with output", "print('a' * 10**8)", ("output_limit", "memory_limit"), ""),
     Hostile("endless print", "flood the host with output", "while True:\n    print('spam' * 100)", ("output_limit",), ""),
     Hostile("close the pipes and linger", "outlive the run unseen", "import time\nos.close(1)\nos.close(2)\ntime.sleep(60)", ("timeout",), ""),
     Hostile("ignore SIGTERM", "survive a polite stop", "import time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)", ("timeout",), ""),
-    Hostile("detached daemon", "keep running after the run", "import time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')", ("ok",), "parent done"),
+    Hostile(
+        "detached daemon",
+        "keep running after the run",
+        "import time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')",
+        ("ok",),
+        "parent done",
+    ),
     Hostile("catastrophic regex", "burn CPU with backtracking", "import re\nre.fullmatch('(a+)+b', 'a' * 64)", ("cpu_limit", "timeout"), ""),
-    Hostile("deep recursion", "overflow the C stack", "sys.setrecursionlimit(10**7)\nf = lambda n: f(n + 1)\nf(0)", ("crashed", "memory_limit", "cpu_limit", "error"), ""),
+    Hostile(
+        "deep recursion",
+        "overflow the C stack",
+        "sys.setrecursionlimit(10**7)\nf = lambda n: f(n + 1)\nf(0)",
+        ("crashed", "memory_limit", "cpu_limit", "error"),
+        "",
+    ),
     Hostile("ctypes segfault", "crash the interpreter", "ctypes.string_at(0)", ("crashed",), ""),
 ]
 CORPUS = [c for c in CORPUS if c is not None]
@@ -221,9 +292,18 @@ def host(tmp_path_factory):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     os.environ["MILES_TEST_SECRET"] = SECRET
     key = _add_session_key(SECRET)
-    subs = {"CANARY": repr(str(canary)), "PORT": str(server.getsockname()[1]), "ABSTRACT": repr(b"\0miles-sandbox-canary"),
-            "HOST_PID": str(os.getpid()), "SLEEPER_PID": str(sleeper.pid), "HOSTNAME": repr(socket.gethostname()), "SECRET": repr(SECRET), "NR": repr(NR),
-            "CLONE_NEWUSER": str(CLONE_NEWUSER), "CLONE_NEWNS": str(CLONE_NEWNS)}
+    subs = {
+        "CANARY": repr(str(canary)),
+        "PORT": str(server.getsockname()[1]),
+        "ABSTRACT": repr(b"\0miles-sandbox-canary"),
+        "HOST_PID": str(os.getpid()),
+        "SLEEPER_PID": str(sleeper.pid),
+        "HOSTNAME": repr(socket.gethostname()),
+        "SECRET": repr(SECRET),
+        "NR": repr(NR),
+        "CLONE_NEWUSER": str(CLONE_NEWUSER),
+        "CLONE_NEWNS": str(CLONE_NEWNS),
+    }
     try:
         with ThreadPoolExecutor(2) as pool:
             results = dict(zip([c.name for c in CORPUS], pool.map(lambda c: _run(c, subs), CORPUS)))
@@ -306,10 +386,14 @@ def test_nothing_persists_between_runs():
     assert run_python(look, LIMITS).stdout.strip() == "GONE"
 
 
-@pytest.mark.parametrize("attack", [
-    "import os\nwhile True:\n    os.fork()",  # fork bomb: must not use up the neighbour's process count
-    "import time\nx = []\nwhile True:\n    x.append(bytearray(10 << 20))",  # memory hog: must not take the neighbour's memory
-], ids=["fork bomb", "memory hog"])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "import os\nwhile True:\n    os.fork()",  # fork bomb: must not use up the neighbour's process count
+        "import time\nx = []\nwhile True:\n    x.append(bytearray(10 << 20))",  # memory hog: must not take the neighbour's memory
+    ],
+    ids=["fork bomb", "memory hog"],
+)
 def test_a_hostile_sandbox_does_not_starve_a_concurrent_one(attack):
     """While one sandbox attacks, a neighbour started at the same time still forks its 8 workers and finishes."""
     neighbour = "import os\npids = [os.fork() or os._exit(0) for _ in range(8)]\nprint('DONE', sum(os.waitpid(p, 0)[1] == 0 for p in pids))"

@@ -54,9 +54,23 @@ def start(tmp_path_factory):
 def spec_for(start, **async_overrides) -> PhaseSpec:
     cfg, prompts, root = start
     return PhaseSpec(
-        cfg=dataclasses.replace(cfg.async_phase, **async_overrides), rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, train=cfg.train,
-        hooks=cfg.hooks, source_fn=PromptSource, seed=cfg.data.seed, prompts=prompts, state=DataState(), waiting=[],
-        ckpt_dir=str(root / "ckpt"), policy_dir=str(root / "policy"), version=1, reference_dir=str(root / "policy"), first_iteration=0, steps=3,
+        cfg=dataclasses.replace(cfg.async_phase, **async_overrides),
+        rollout=cfg.rollout,
+        reward=cfg.reward,
+        algo=cfg.algo,
+        train=cfg.train,
+        hooks=cfg.hooks,
+        source_fn=PromptSource,
+        seed=cfg.data.seed,
+        prompts=prompts,
+        state=DataState(),
+        waiting=[],
+        ckpt_dir=str(root / "ckpt"),
+        policy_dir=str(root / "policy"),
+        version=1,
+        reference_dir=str(root / "policy"),
+        first_iteration=0,
+        steps=3,
     )
 
 
@@ -83,9 +97,18 @@ def test_async_phase_trains_within_the_staleness_bound(cluster, start, tmp_path)
             assert 1 <= s.weight_version <= s.metadata["trainer_version"]
     assert {s.metadata["trainer_version"] for s in result.consumed[-1]} == {3}
     assert max(s.weight_version for s in result.consumed[-1]) >= 2  # the pushed weights were used
-    for key in ("async/samples_per_s", "async/tokens_per_s", "async/queue_depth_mean", "async/rollout_idle_s", "async/phase_staleness_mean", "time/async_startup_s"):
+    for key in (
+        "async/samples_per_s",
+        "async/tokens_per_s",
+        "async/queue_depth_mean",
+        "async/rollout_idle_s",
+        "async/phase_staleness_mean",
+        "time/async_startup_s",
+    ):
         assert key in result.metrics
-    assert all({"async/weight_push_s", "async/trainer_idle_s", "async/queue_depth", "async/staleness_max", "train/loss", "reward/mean"} <= set(m) for m in result.steps)
+    assert all(
+        {"async/weight_push_s", "async/trainer_idle_s", "async/queue_depth", "async/staleness_max", "train/loss", "reward/mean"} <= set(m) for m in result.steps
+    )
     assert all(m["async/weight_push_s"] > 0 for m in result.steps[:-1])  # pushed after every step but the last
     assert_every_draw_ends_once(spec, result)
 

@@ -31,9 +31,22 @@ def server(smoke_run):
     port = free_port()
     mlflow = Path(sys.executable).parent / "mlflow"
     proc = subprocess.Popen(
-        [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--default-artifact-root", str(root / "mlartifacts"),
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            str(mlflow),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root}/mlflow.db",
+            "--default-artifact-root",
+            str(root / "mlartifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -53,7 +66,8 @@ def server(smoke_run):
 def test_server_serves_the_run(server):
     experiment = get(f"{server}/api/2.0/mlflow/experiments/get-by-name?experiment_name=smoke")["experiment"]
     request = urllib.request.Request(
-        f"{server}/api/2.0/mlflow/runs/search", data=json.dumps({"experiment_ids": [experiment["experiment_id"]]}).encode(),
+        f"{server}/api/2.0/mlflow/runs/search",
+        data=json.dumps({"experiment_ids": [experiment["experiment_id"]]}).encode(),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=10) as response:

@@ -55,9 +55,18 @@ def build_policy(path: Path, seed: int) -> str:
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
-        eos_token_id=EOS, bos_token_id=0, pad_token_id=0,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        eos_token_id=EOS,
+        bos_token_id=0,
+        pad_token_id=0,
     )
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -104,9 +113,19 @@ def test_logprobs_match_trainer_recompute(engine, policies):
     temperature = 0.7
     out = engine.generate(PROMPTS, SamplingParams(n=4, temperature=temperature, max_new_tokens=10, stop_token_ids=(EOS,), seed=2))
     samples = [
-        Sample(prompt_id=str(p), index=i, prompt_tokens=PROMPTS[p], response_tokens=g.tokens, rollout_logprobs=g.logprobs,
-               loss_mask=[1] * len(g.tokens), finish_reason=g.finish_reason, weight_version=g.weight_version, label="")
-        for p, gens in enumerate(out) for i, g in enumerate(gens)
+        Sample(
+            prompt_id=str(p),
+            index=i,
+            prompt_tokens=PROMPTS[p],
+            response_tokens=g.tokens,
+            rollout_logprobs=g.logprobs,
+            loss_mask=[1] * len(g.tokens),
+            finish_reason=g.finish_reason,
+            weight_version=g.weight_version,
+            label="",
+        )
+        for p, gens in enumerate(out)
+        for i, g in enumerate(gens)
     ]
     batch = pack(samples, pad_id=0)
     recomputed = TorchTrainer.from_hf(policies[0], TrainConfig()).logprobs(batch, temperature)  # [B, T]
@@ -143,7 +162,7 @@ def test_greedy_equals_torch_engine_after_distributed_updates(engine, policies):
 def started_stream(server, payload: dict):
     """The event payloads of a streaming /generate, returned once its first token has arrived."""
     response = requests.post(f"{server.url}/generate", json={**payload, "stream": True}, stream=True, timeout=(10, 120))
-    chunks = (line[len(b"data: "):].decode() for line in response.iter_lines() if line.startswith(b"data: "))
+    chunks = (line[len(b"data: ") :].decode() for line in response.iter_lines() if line.startswith(b"data: "))
     next(chunks)
     return chunks
 
@@ -153,8 +172,7 @@ def test_pause_abort_and_update_during_generation(engine, policies):
     generation running across a weight update comes back whole, each response from one version."""
     engine.load_weights(policies[0], 0)
     server = engine.servers[0]
-    long_request = {"input_ids": PROMPTS[0], "return_logprob": True,
-                    "sampling_params": {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True}}
+    long_request = {"input_ids": PROMPTS[0], "return_logprob": True, "sampling_params": {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True}}
     chunks = started_stream(server, long_request)  # the request is running: its first chunk arrived
     engine.pause("abort")
     last = json.loads([c for c in chunks if c != "[DONE]"][-1])
@@ -197,8 +215,7 @@ def test_killed_server_is_restarted_and_rollout_completes(engine, policies):
 
 def test_server_that_never_becomes_healthy_fails_within_its_timeout():
     port = free_port()
-    impostor = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    impostor = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         started = time.monotonic()
         with pytest.raises(SGLangError, match=r"not healthy within rollout.sglang.startup_timeout_s=4s"):

@@ -66,9 +66,15 @@ def record_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, reward_url, record_file):
     overrides = {
-        "rollout": {"generate_fn": "miles_core.rollout.multi_turn:generate", "rollout_fn": "tests.integration.recording:rollout",
-                    "dynamic_sampling": True, "over_sample": 1.5, "max_rounds": 3, "prompts_per_step": 4,
-                    "multi_turn": {"tools": "calc", "max_turns": 2, "max_response_tokens": 12}},
+        "rollout": {
+            "generate_fn": "miles_core.rollout.multi_turn:generate",
+            "rollout_fn": "tests.integration.recording:rollout",
+            "dynamic_sampling": True,
+            "over_sample": 1.5,
+            "max_rounds": 3,
+            "prompts_per_step": 4,
+            "multi_turn": {"tools": "calc", "max_turns": 2, "max_response_tokens": 12},
+        },
         "reward": {"fn": "miles_core.rewards.hub:remote", "remote_url": reward_url, "remote_retries": 0},
         "async_phase": {"prompts_per_lease": 2},
     }
@@ -91,8 +97,15 @@ def test_sync_and_async_run_the_same_functions_with_the_same_settings(setup, rec
     monkeypatch.setenv("MILES_RECORD_FILE", str(record_file))
     fns = bind(rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, hooks=cfg.hooks, evaluation=cfg.evaluation)
     RewardModel.requests = []
-    samples, _, metrics = run_step(TorchEngine(str(root / "policy"), 0), PromptSource(prompts, cfg.data.seed, DataState()),
-                                   AutoTokenizer.from_pretrained(root / "policy"), fns, load_trainer(cfg.train, str(root / "ckpt")), [], 0)
+    samples, _, metrics = run_step(
+        TorchEngine(str(root / "policy"), 0),
+        PromptSource(prompts, cfg.data.seed, DataState()),
+        AutoTokenizer.from_pretrained(root / "policy"),
+        fns,
+        load_trainer(cfg.train, str(root / "ckpt")),
+        [],
+        0,
+    )
     sync_calls, sync_requests = calls(record_file, 0), list(RewardModel.requests)
     assert sync_calls and all("turns" in s.metadata for s in samples) and "rollout/dropped_groups" in metrics
 
@@ -100,9 +113,23 @@ def test_sync_and_async_run_the_same_functions_with_the_same_settings(setup, rec
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"MILES_RECORD_FILE": str(record_file)}})
     try:
         spec = PhaseSpec(
-            cfg=cfg.async_phase, rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, train=cfg.train, hooks=cfg.hooks, source_fn=PromptSource,
-            seed=cfg.data.seed, prompts=prompts, state=DataState(), waiting=[], ckpt_dir=str(root / "ckpt"), policy_dir=str(root / "policy"),
-            version=0, reference_dir=str(root / "policy"), first_iteration=0, steps=1,
+            cfg=cfg.async_phase,
+            rollout=cfg.rollout,
+            reward=cfg.reward,
+            algo=cfg.algo,
+            train=cfg.train,
+            hooks=cfg.hooks,
+            source_fn=PromptSource,
+            seed=cfg.data.seed,
+            prompts=prompts,
+            state=DataState(),
+            waiting=[],
+            ckpt_dir=str(root / "ckpt"),
+            policy_dir=str(root / "policy"),
+            version=0,
+            reference_dir=str(root / "policy"),
+            first_iteration=0,
+            steps=1,
         )
         result = run_phase(spec, str(root / "async-ckpt"))
     finally:
@@ -112,7 +139,9 @@ def test_sync_and_async_run_the_same_functions_with_the_same_settings(setup, rec
     # one description per mode, and they are equal: the same functions with the same bound settings
     assert {json.dumps(c, sort_keys=True) for c in sync_calls} == {json.dumps(c, sort_keys=True) for c in async_calls}
     call = sync_calls[0]
-    assert call["generate_fn"]["fn"] == "miles_core.rollout.multi_turn:generate" and call["generate_fn"]["bound"]["rollout_cfg"]["multi_turn"]["tools"] == "calc"
+    assert (
+        call["generate_fn"]["fn"] == "miles_core.rollout.multi_turn:generate" and call["generate_fn"]["bound"]["rollout_cfg"]["multi_turn"]["tools"] == "calc"
+    )
     assert call["reward_fn"]["fn"] == "miles_core.rewards.hub:remote" and call["reward_fn"]["bound"]["reward_cfg"]["remote_url"] == cfg.reward.remote_url
     assert call["settings"]["dynamic_sampling"] and call["dynamic_filter_fn"]["fn"] == "miles_core.algos.filters:nonzero_reward_std"
     # the remote model scored both modes' multi-turn samples, each against its own prompt's label

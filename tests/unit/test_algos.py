@@ -118,9 +118,7 @@ def _bt(values, batch=2):
     return torch.tensor(values, dtype=torch.float64).view(batch, -1)
 
 
-token_lists = st.lists(st.tuples(finite, finite, finite), min_size=2, max_size=8).filter(
-    lambda rows: len(rows) % 2 == 0
-)
+token_lists = st.lists(st.tuples(finite, finite, finite), min_size=2, max_size=8).filter(lambda rows: len(rows) % 2 == 0)
 eps_range = st.floats(min_value=0.0, max_value=0.5)
 
 

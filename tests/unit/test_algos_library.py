@@ -414,8 +414,10 @@ def test_loss_weights_with_empty_rows_by_hand():
 def test_loss_weights_aggregate_a_loss_as_their_docstring_says():
     # per-token loss [[1, 3], [9, 9], [5, 7]], mask [[1, 1], [0, 0], [1, 0]]: sequence 0 tokens 1, 3; sequence 2 token 5
     loss, mask = torch.tensor([[1.0, 3.0], [9.0, 9.0], [5.0, 7.0]]), torch.tensor([[1, 1], [0, 0], [1, 0]])
-    total = {mode: float((loss_weights(mask, mode, horizon=4) * loss).sum()) for mode in
-             ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")}
+    total = {
+        mode: float((loss_weights(mask, mode, horizon=4) * loss).sum())
+        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+    }
     assert total["token-mean"] == pytest.approx((1 + 3 + 5) / 3)  # 3
     assert total["seq-mean-token-mean"] == pytest.approx((2 + 5) / 2)  # token-means 2 and 5 over 2 sequences
     assert total["seq-mean-token-sum"] == pytest.approx((4 + 5) / 2)  # token sums 4 and 5 over 2 sequences

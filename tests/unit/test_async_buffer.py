@@ -88,13 +88,16 @@ def test_phase_plan_covers_every_iteration_and_evaluates_on_the_interval():
     assert phase_plan(5, mixed, 10) == [(0, 0, False), (1, 0, False), (2, 2, False), (4, 1, True)]
 
 
-@pytest.mark.parametrize("values, key", [
-    ({"update_weights_interval": 3, "max_staleness": 1}, "async_phase.max_staleness"),
-    ({"stale_policy": "keep"}, "async_phase.stale_policy"),
-    ({"schedule": "sometimes"}, "async_phase.schedule"),
-    ({"sync_iterations": 2}, "async_phase.sync_iterations"),
-    ({"push_timeout_s": 0}, "async_phase.push_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "values, key",
+    [
+        ({"update_weights_interval": 3, "max_staleness": 1}, "async_phase.max_staleness"),
+        ({"stale_policy": "keep"}, "async_phase.stale_policy"),
+        ({"schedule": "sometimes"}, "async_phase.schedule"),
+        ({"sync_iterations": 2}, "async_phase.sync_iterations"),
+        ({"push_timeout_s": 0}, "async_phase.push_timeout_s"),
+    ],
+)
 def test_bad_async_settings_name_their_key(values, key):
     with pytest.raises(ConfigError, match=key):
         AsyncConfig(**values)

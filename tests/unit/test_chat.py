@@ -43,7 +43,9 @@ def test_chatml_prompt_response_and_tool_turn(chatml):
 
 def test_chat_messages_as_the_prompt(chatml):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}]
-    assert chatml.decode(prompt_tokens(chatml, messages)) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        chatml.decode(prompt_tokens(chatml, messages)) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_another_template_decides_the_layout(brackets):
@@ -67,8 +69,9 @@ def test_a_tool_output_cannot_forge_a_turn(fixture, request):
 
 
 def test_demonstration_conversation_masks_the_tool_turns(chatml):
-    tokens, mask = conversation_tokens(chatml, [{"role": "assistant", "content": "<tool>calc\n2*3</tool>"}, {"role": "tool", "content": "6"},
-                                                {"role": "assistant", "content": "6"}])
+    tokens, mask = conversation_tokens(
+        chatml, [{"role": "assistant", "content": "<tool>calc\n2*3</tool>"}, {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"}]
+    )
     first, tool, answer = response_tokens(chatml, "<tool>calc\n2*3</tool>"), tool_turn_tokens(chatml, "6"), response_tokens(chatml, "6")
     assert tokens == first + tool + answer and mask == [1] * len(first) + [0] * len(tool) + [1] * len(answer)
     with pytest.raises(ValueError, match="demonstration message 0: expected role assistant|tool"):

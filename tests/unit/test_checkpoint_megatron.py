@@ -35,11 +35,16 @@ def test_mapping_fuses_grouped_qkv_and_gate_up():
     from miles_core.checkpoint.hf_megatron import ArchSpec, hf_to_megatron, megatron_to_hf
 
     spec = ArchSpec("qwen2", 5, 4, 1, 4, 2, 1, 3, 1e-6, 1e4, 16, True, True, False)
-    hf = {"model.embed_tokens.weight": torch.randn(5, 4), "model.norm.weight": torch.ones(4),
-          "model.layers.0.input_layernorm.weight": torch.ones(4), "model.layers.0.post_attention_layernorm.weight": torch.ones(4),
-          "model.layers.0.self_attn.o_proj.weight": torch.randn(4, 4),
-          "model.layers.0.mlp.gate_proj.weight": torch.full((3, 4), 1.0), "model.layers.0.mlp.up_proj.weight": torch.full((3, 4), 2.0),
-          "model.layers.0.mlp.down_proj.weight": torch.randn(4, 3)}
+    hf = {
+        "model.embed_tokens.weight": torch.randn(5, 4),
+        "model.norm.weight": torch.ones(4),
+        "model.layers.0.input_layernorm.weight": torch.ones(4),
+        "model.layers.0.post_attention_layernorm.weight": torch.ones(4),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(4, 4),
+        "model.layers.0.mlp.gate_proj.weight": torch.full((3, 4), 1.0),
+        "model.layers.0.mlp.up_proj.weight": torch.full((3, 4), 2.0),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(4, 3),
+    }
     for name, rows, base in (("q", 4, 0), ("k", 2, 10), ("v", 2, 20)):
         hf[f"model.layers.0.self_attn.{name}_proj.weight"] = (base + torch.arange(rows)).float().unsqueeze(1).expand(rows, 4).clone()
         hf[f"model.layers.0.self_attn.{name}_proj.bias"] = (base + torch.arange(rows)).float()

@@ -135,7 +135,9 @@ def replaced(cfg, dotted: str, value):
 
 def test_every_section_has_float_keys_to_check():
     # the walk below covers each section's float keys: a regression that loses them fails here
-    assert {"train.lr", "algo.log_ratio_clamp", "rollout.temperature", "rollout.sglang.bucket_mb", "reward.fallback", "async_phase.take_timeout_s"} <= set(FLOAT_KEYS)
+    assert {"train.lr", "algo.log_ratio_clamp", "rollout.temperature", "rollout.sglang.bucket_mb", "reward.fallback", "async_phase.take_timeout_s"} <= set(
+        FLOAT_KEYS
+    )
 
 
 @pytest.mark.parametrize("key", FLOAT_KEYS)

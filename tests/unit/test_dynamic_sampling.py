@@ -22,7 +22,9 @@ N = 2  # samples per prompt
 
 @pytest.fixture(scope="module")
 def engine_and_tokenizer(tmp_path_factory):
-    model_dir = build_tiny_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), tmp_path_factory.mktemp("m") / "model")
+    model_dir = build_tiny_model(
+        ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), tmp_path_factory.mktemp("m") / "model"
+    )
     return TorchEngine(model_dir, 3), AutoTokenizer.from_pretrained(model_dir)
 
 

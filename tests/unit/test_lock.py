@@ -34,18 +34,24 @@ def requirements() -> list[Requirement]:
     return [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
 
 
-@pytest.mark.parametrize("lock, wanted", [
-    ("requirements.lock", requirements),
-    ("containers/sglang/requirements.lock",
-     lambda: [Requirement(r) for r in (REPO / "containers/sglang/requirements.in").read_text().splitlines() if r.strip() and not r.startswith("#")]),
-])
+@pytest.mark.parametrize(
+    "lock, wanted",
+    [
+        ("requirements.lock", requirements),
+        (
+            "containers/sglang/requirements.lock",
+            lambda: [Requirement(r) for r in (REPO / "containers/sglang/requirements.in").read_text().splitlines() if r.strip() and not r.startswith("#")],
+        ),
+    ],
+)
 def test_every_requirement_is_pinned_within_its_range(lock, wanted):
     pinned = pins(REPO / lock)
     for req in wanted():
         name = canonicalize_name(req.name)
         assert name in pinned, f"{lock}: {req.name} is required but not locked: run `make lock`"
         assert req.specifier.contains(Version(pinned[name]), prereleases=True), (
-            f"{lock}: {req.name}=={pinned[name]} is outside {req.specifier}: run `make lock`")
+            f"{lock}: {req.name}=={pinned[name]} is outside {req.specifier}: run `make lock`"
+        )
 
 
 def installed_packages() -> dict[str, str]:

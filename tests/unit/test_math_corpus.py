@@ -38,4 +38,6 @@ def test_math_answer_agrees_with_every_pair(capsys):
     wrong = [(p, got) for p in pairs if (got := math_answer(p["prediction"], p["gold"], {})) != p["expected"]]
     with capsys.disabled():
         print(f"\nmath corpus agreement: {len(pairs) - len(wrong)}/{len(pairs)} ({100 * (len(pairs) - len(wrong)) / len(pairs):.1f}%)")
-    assert not wrong, "\n".join(f"gold {p['gold'][:60]!r} prediction {p['prediction'][:60]!r}: expected {p['expected']}, got {got} ({p['why']})" for p, got in wrong)
+    assert not wrong, "\n".join(
+        f"gold {p['gold'][:60]!r} prediction {p['prediction'][:60]!r}: expected {p['expected']}, got {got} ({p['why']})" for p, got in wrong
+    )

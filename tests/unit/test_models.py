@@ -66,7 +66,7 @@ def test_prompt_plus_demonstration_is_the_templated_conversation(tokenizer, ques
     full = tokenizer.apply_chat_template(chat, tokenize=True)
     full = list(full["input_ids"] if hasattr(full, "keys") else full)
     newline = tokenizer.encode("\n", add_special_tokens=False)
-    assert full[-len(newline):] == newline  # the template ends the turn with a newline
+    assert full[-len(newline) :] == newline  # the template ends the turn with a newline
     demo = response_tokens(tokenizer, answer)
     assert demo[-1] == tokenizer.convert_tokens_to_ids(IM_END)
     assert prompt_tokens(tokenizer, question) + demo == full[: -len(newline)]

@@ -100,7 +100,9 @@ def test_tool_output_cannot_forge_a_turn(tokenizer):
 
 
 def test_tool_errors_become_tool_turns(tokenizer):
-    _, [s], metrics = _run(tokenizer, ["<tool>calc\n__import__('os')</tool>", "<tool>shell\nls</tool>", "0"], MultiTurnConfig(max_turns=3, max_response_tokens=256, tools="calc"))
+    _, [s], metrics = _run(
+        tokenizer, ["<tool>calc\n__import__('os')</tool>", "<tool>shell\nls</tool>", "0"], MultiTurnConfig(max_turns=3, max_response_tokens=256, tools="calc")
+    )
     tool_texts = [tokenizer.decode(s.response_tokens[t["start"] : t["end"]]) for t in s.metadata["turns"] if t["role"] == "tool"]
     assert "error: not arithmetic: Call" in tool_texts[0] and "unknown tool 'shell'" in tool_texts[1]
     assert metrics["rollout/tool_error_rate"] == 1.0 and s.metadata["stop_reason"] == "answer"
@@ -113,7 +115,9 @@ def test_turn_limit_ends_the_conversation(tokenizer):
 
 
 def test_token_budget_cuts_the_response(tokenizer):
-    _, [s], _ = _run(tokenizer, ["<tool>calc\n12*34</tool>", "408 is the answer, and here is a long explanation"], MultiTurnConfig(max_response_tokens=50, tools="calc"))
+    _, [s], _ = _run(
+        tokenizer, ["<tool>calc\n12*34</tool>", "408 is the answer, and here is a long explanation"], MultiTurnConfig(max_response_tokens=50, tools="calc")
+    )
     assert [t["role"] for t in s.metadata["turns"]] == ["assistant", "tool", "assistant"]
     assert len(s.response_tokens) == 50 == len(s.loss_mask) == len(s.rollout_logprobs)
     assert s.metadata["stop_reason"] == "token_budget" and s.finish_reason == "length"
@@ -131,7 +135,9 @@ def test_unknown_tool_in_config_is_named(tokenizer):
 
 def test_sft_conversation_matches_the_rollout_layout(tokenizer):
     call = "<tool>calc\n12*34</tool>"
-    tokens, mask = conversation_tokens(tokenizer, [{"role": "assistant", "content": call}, {"role": "tool", "content": "408"}, {"role": "assistant", "content": "408"}])
+    tokens, mask = conversation_tokens(
+        tokenizer, [{"role": "assistant", "content": call}, {"role": "tool", "content": "408"}, {"role": "assistant", "content": "408"}]
+    )
     _, [s], _ = _run(tokenizer, [call, "408"], MultiTurnConfig(tools="calc"))
     assert tokens == s.response_tokens and mask == s.loss_mask
     with pytest.raises(ValueError, match="demonstration message 0"):
@@ -144,7 +150,9 @@ def test_real_engine_logprobs_match_the_trainer_on_model_tokens(tmp_path, tokeni
     policy = build_tiny_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), str(tmp_path / "m"))
     engine = TorchEngine(policy, 0)
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, stop_token_ids=(tokenizer.eos_token_id,), seed=1)
-    samples, _ = generate(engine, [Prompt("p", "12*34=", "408")], tokenizer, params, RolloutConfig(multi_turn=MultiTurnConfig(max_response_tokens=20, tools="calc")))
+    samples, _ = generate(
+        engine, [Prompt("p", "12*34=", "408")], tokenizer, params, RolloutConfig(multi_turn=MultiTurnConfig(max_response_tokens=20, tools="calc"))
+    )
     batch = pack(samples, tokenizer.pad_token_id)
     recomputed = TorchTrainer.from_hf(policy, TrainConfig()).logprobs(batch, 1.0)
     assert torch.allclose(recomputed * batch.loss_mask, batch.rollout_logprobs * batch.loss_mask, atol=1e-4)

@@ -159,8 +159,18 @@ def test_failed_reward_scores_the_fallback_and_is_counted():
     """The scorer with the remote model down: every sample gets reward.fallback, the error is
     recorded in its metadata and counted; nothing raises."""
     tokenizer = build_tokenizer()
-    cfg = RewardConfig(fn="miles_core.rewards.hub:by_metadata", min=-1.0, fallback=-0.5, remote_url=f"http://127.0.0.1:{_free_port()}/score", remote_retries=0, remote_timeout_s=1.0)
-    samples = [Sample("p", i, [1], tokenizer.encode("408", add_special_tokens=False), [0.0] * 3, [1] * 3, "stop", 0, "408", {"reward_type": "remote"}) for i in range(2)]
+    cfg = RewardConfig(
+        fn="miles_core.rewards.hub:by_metadata",
+        min=-1.0,
+        fallback=-0.5,
+        remote_url=f"http://127.0.0.1:{_free_port()}/score",
+        remote_retries=0,
+        remote_timeout_s=1.0,
+    )
+    samples = [
+        Sample("p", i, [1], tokenizer.encode("408", add_special_tokens=False), [0.0] * 3, [1] * 3, "stop", 0, "408", {"reward_type": "remote"})
+        for i in range(2)
+    ]
     metrics = score(samples, bind(reward=cfg), tokenizer, group_size=2)
     assert [s.reward for s in samples] == [-0.5, -0.5] and metrics["reward/failures"] == 2.0
     assert "is down or dropped the connection" in samples[0].metadata["reward_error"]
@@ -187,8 +197,15 @@ def test_a_batch_is_scored_within_the_batch_deadline(reward_server):
     the batch's (reward.remote_batch_timeout_s), so the batch ends with every sample scored the fallback."""
     _Handler.mode = "hang"
     tokenizer = build_tokenizer()
-    cfg = RewardConfig(fn="miles_core.rewards.hub:remote", remote_url=reward_server, remote_timeout_s=30.0, remote_batch_timeout_s=0.5,
-                       remote_retries=0, remote_concurrency=2, fallback=0.25)
+    cfg = RewardConfig(
+        fn="miles_core.rewards.hub:remote",
+        remote_url=reward_server,
+        remote_timeout_s=30.0,
+        remote_batch_timeout_s=0.5,
+        remote_retries=0,
+        remote_concurrency=2,
+        fallback=0.25,
+    )
     samples = _samples(tokenizer, ["1", "2", "3", "4"])
     metrics = score(samples, bind(reward=cfg), tokenizer, group_size=4)
     assert [s.reward for s in samples] == [0.25] * 4 and metrics["reward/failures"] == 4.0
@@ -200,8 +217,14 @@ def test_an_open_circuit_breaker_fails_the_step(fn, metadata):
     """The model is down: the first sample's failure opens the breaker (max 1 consecutive failure), and
     the next sample's RemoteRewardUnavailable fails the score stage instead of scoring the fallback."""
     tokenizer = build_tokenizer()
-    cfg = RewardConfig(fn=fn, remote_url=f"http://127.0.0.1:{_free_port()}/score", remote_retries=0, remote_timeout_s=1.0,
-                       remote_concurrency=1, remote_max_consecutive_failures=1)
+    cfg = RewardConfig(
+        fn=fn,
+        remote_url=f"http://127.0.0.1:{_free_port()}/score",
+        remote_retries=0,
+        remote_timeout_s=1.0,
+        remote_concurrency=1,
+        remote_max_consecutive_failures=1,
+    )
     with pytest.raises(RemoteRewardUnavailable, match="failed 1 times in a row"):
         score(_samples(tokenizer, ["1", "2"], metadata=metadata), bind(reward=cfg), tokenizer, group_size=2)
 

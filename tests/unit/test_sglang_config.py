@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_core.config import ConfigError, RolloutConfig, SGLangConfig, load_recipe
+from miles_core.config import ConfigError, RolloutConfig, load_recipe
 from miles_core.rollout.engines import make_engine, weight_update_metrics
 from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.weights.sync import flatten_bucket, iter_buckets
@@ -18,14 +18,17 @@ def test_sglang_recipe_resolves_nested_settings():
     assert load_recipe("recipes/smoke_sglang.yaml").rollout.sglang.weight_sync == "distributed"
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("rollout.engine", "vllm", "rollout.engine: unknown engine 'vllm' (available: torch, sglang)"),
-    ("rollout.sglang.weight_sync", "nfs", "rollout.sglang.weight_sync: must be one of disk, distributed"),
-    ("rollout.sglang.urls", "127.0.0.1:30000", "rollout.sglang.urls: not an http(s) URL"),
-    ("rollout.sglang.startup_timeout_s", 0, "rollout.sglang.startup_timeout_s: must be > 0"),
-    ("rollout.sglang.pause_mode", "stop", "rollout.sglang.pause_mode: must be one of abort, retract, in_place"),
-    ("rollout.sglang.servers", 2, "rollout.sglang.servers: unknown key"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("rollout.engine", "vllm", "rollout.engine: unknown engine 'vllm' (available: torch, sglang)"),
+        ("rollout.sglang.weight_sync", "nfs", "rollout.sglang.weight_sync: must be one of disk, distributed"),
+        ("rollout.sglang.urls", "127.0.0.1:30000", "rollout.sglang.urls: not an http(s) URL"),
+        ("rollout.sglang.startup_timeout_s", 0, "rollout.sglang.startup_timeout_s: must be > 0"),
+        ("rollout.sglang.pause_mode", "stop", "rollout.sglang.pause_mode: must be one of abort, retract, in_place"),
+        ("rollout.sglang.servers", 2, "rollout.sglang.servers: unknown key"),
+    ],
+)
 def test_bad_sglang_settings_fail_naming_file_and_key(key, value, message):
     with pytest.raises(ConfigError, match="tiny_arith_sglang.yaml: " + message.replace("(", r"\(").replace(")", r"\)")):
         load_recipe("recipes/tiny_arith_sglang.yaml", {key: value})
@@ -34,16 +37,21 @@ def test_bad_sglang_settings_fail_naming_file_and_key(key, value, message):
 def test_factory_builds_the_torch_engine_by_default(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1, intermediate_size=32)).save_pretrained(tmp_path)
+    Qwen2ForCausalLM(
+        Qwen2Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32)
+    ).save_pretrained(tmp_path)
     engine = make_engine(RolloutConfig(), str(tmp_path), 3, max_batch_sequences=5)
     assert isinstance(engine, TorchEngine) and engine.weight_version == 3 and engine.max_batch_sequences == 5
     assert weight_update_metrics(engine) == {}
 
 
 def test_buckets_keep_order_bound_size_and_round_trip():
-    named = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.ones(3, dtype=torch.bfloat16)),
-             ("c", torch.arange(5, dtype=torch.float32)), ("d", torch.zeros(100, dtype=torch.float32))]
+    named = [
+        ("a", torch.arange(6, dtype=torch.float32).view(2, 3)),
+        ("b", torch.ones(3, dtype=torch.bfloat16)),
+        ("c", torch.arange(5, dtype=torch.float32)),
+        ("d", torch.zeros(100, dtype=torch.float32)),
+    ]
     buckets = list(iter_buckets(named, bucket_bytes=64))
     assert [b.names for b in buckets] == [["a", "b"], ["c"], ["d"]]  # c would start misaligned after b's 6 bytes
     assert buckets[0].dtypes == ["float32", "bfloat16"] and buckets[0].shapes == [[2, 3], [3]]

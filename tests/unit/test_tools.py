@@ -22,10 +22,19 @@ def test_calculator_arithmetic(expression, value):
     assert calculate(expression) == value
 
 
-@pytest.mark.parametrize("expression,reason", [
-    ("__import__('os').system('id')", "not arithmetic: Call"), ("x + 1", "not arithmetic: Name"), ("'a' * 3", "not arithmetic: Constant"),
-    ("9**9**9", "exponent"), ("10**59 * 10**59", "digits"), ("1/0", "division by zero"), ("1 +", "syntax error"), ("1" * 300, "longer than"),
-])
+@pytest.mark.parametrize(
+    "expression,reason",
+    [
+        ("__import__('os').system('id')", "not arithmetic: Call"),
+        ("x + 1", "not arithmetic: Name"),
+        ("'a' * 3", "not arithmetic: Constant"),
+        ("9**9**9", "exponent"),
+        ("10**59 * 10**59", "digits"),
+        ("1/0", "division by zero"),
+        ("1 +", "syntax error"),
+        ("1" * 300, "longer than"),
+    ],
+)
 def test_calculator_rejects_what_is_not_bounded_arithmetic(expression, reason):
     with pytest.raises(CalculatorError, match=reason):
         calculate(expression)

@@ -23,10 +23,7 @@ def policy_dir(tmp_path_factory):
 
 def groups(rewards):
     # two groups of two: the same prompt answered with token 10 (rewarded) or token 11 (not)
-    return [
-        Sample("p", i, [1, 20, 21], [10 if r else 11, 2], [-1.0, -1.0], [1, 1], "stop", 0, "x", {}, r)
-        for i, r in enumerate(rewards)
-    ]
+    return [Sample("p", i, [1, 20, 21], [10 if r else 11, 2], [-1.0, -1.0], [1, 1], "stop", 0, "x", {}, r) for i, r in enumerate(rewards)]
 
 
 def test_pack_aligns_response_tokens_with_their_predicting_positions():

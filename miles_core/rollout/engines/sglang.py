@@ -37,7 +37,7 @@ from pathlib import Path
 
 from miles_core.config import SGLangConfig, config_hash
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
-from miles_core.rollout.engines.sglang_server import SGLangError, SGLangServer, ServerUnreachable, free_port
+from miles_core.rollout.engines.sglang_server import ServerUnreachable, SGLangError, SGLangServer, free_port
 from miles_core.weights import sync
 from miles_core.weights.check import check_hf_dir
 
@@ -139,7 +139,9 @@ class SGLangEngine:
                 self.servers.remove(server)
                 return
             if not server.launched or server.restarts >= self.cfg.max_restarts:
-                raise SGLangError(f"{err}; {'attached servers are not restarted' if not server.launched else f'gave up after {server.restarts} restarts'}") from None
+                raise SGLangError(
+                    f"{err}; {'attached servers are not restarted' if not server.launched else f'gave up after {server.restarts} restarts'}"
+                ) from None
             log.warning("%s; restarting", err)
             server.restart(self.policy_dir, self.weight_version)
 
@@ -190,8 +192,13 @@ class SGLangEngine:
         bucket_bytes = int(self.cfg.bucket_mb * 2**20)
         for bucket in sync.iter_buckets(named_tensors, bucket_bytes):
             payload = {
-                "names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes, "group_name": sender.group_name,
-                "load_format": "flattened_bucket", "flush_cache": False, "weight_version": str(version),
+                "names": bucket.names,
+                "dtypes": bucket.dtypes,
+                "shapes": bucket.shapes,
+                "group_name": sender.group_name,
+                "load_format": "flattened_bucket",
+                "flush_cache": False,
+                "weight_version": str(version),
             }
             with ThreadPoolExecutor(len(self.servers)) as pool:  # servers wait in the broadcast we send
                 answers = [pool.submit(s.post, "/update_weights_from_distributed", payload) for s in self.servers]
@@ -204,10 +211,18 @@ class SGLangEngine:
         world = len(self.servers) + 1  # rank 0 here, one rank per server (tensor parallel size 1)
         with ThreadPoolExecutor(len(self.servers)) as pool:
             joins = [
-                pool.submit(s.post, "/init_weights_update_group", {
-                    "master_address": "127.0.0.1", "master_port": port, "rank_offset": rank, "world_size": world,
-                    "group_name": group_name, "backend": self.cfg.sync_backend,
-                })
+                pool.submit(
+                    s.post,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": "127.0.0.1",
+                        "master_port": port,
+                        "rank_offset": rank,
+                        "world_size": world,
+                        "group_name": group_name,
+                        "backend": self.cfg.sync_backend,
+                    },
+                )
                 for rank, s in enumerate(self.servers, start=1)
             ]
             self._sender = sync.WeightSender.open("127.0.0.1", port, world, group_name, self.cfg.sync_backend, self.cfg.request_timeout_s)
@@ -287,4 +302,3 @@ def shared_engine(cfg: SGLangConfig, policy_dir: str, version: int) -> SGLangEng
 def close_shared_engines() -> None:
     while _SHARED:
         _SHARED.popitem()[1].close()
-

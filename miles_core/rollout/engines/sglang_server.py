@@ -63,20 +63,36 @@ class SGLangServer:
         self._session = requests.Session()
 
     @classmethod
-    def attach(cls, url: str, cfg: SGLangConfig) -> "SGLangServer":
+    def attach(cls, url: str, cfg: SGLangConfig) -> SGLangServer:
         server = cls(url, cfg)
         server.wait_healthy()
         return server
 
     @classmethod
-    def launch(cls, cfg: SGLangConfig, model_path: str, weight_version: int) -> "SGLangServer":
+    def launch(cls, cfg: SGLangConfig, model_path: str, weight_version: int) -> SGLangServer:
         port = free_port()
         log_file = Path(tempfile.mkdtemp(prefix="sglang-")) / f"server-{port}.log"
         command = [
-            sglang_python(cfg), "-m", "sglang.launch_server", "--model-path", model_path,
-            "--host", "127.0.0.1", "--port", str(port), "--device", cfg.device, "--dtype", cfg.dtype,
-            "--max-total-tokens", str(cfg.max_total_tokens), "--skip-tokenizer-init",
-            "--weight-version", str(weight_version), *(["--sleep-on-idle"] if cfg.sleep_on_idle else []), *shlex.split(cfg.extra_args),
+            sglang_python(cfg),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            cfg.device,
+            "--dtype",
+            cfg.dtype,
+            "--max-total-tokens",
+            str(cfg.max_total_tokens),
+            "--skip-tokenizer-init",
+            "--weight-version",
+            str(weight_version),
+            *(["--sleep-on-idle"] if cfg.sleep_on_idle else []),
+            *shlex.split(cfg.extra_args),
         ]
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1" if cfg.device == "cpu" else "0"}
         log.info("starting SGLang server on port %d (log %s)", port, log_file)
@@ -113,16 +129,19 @@ class SGLangServer:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise SGLangError(f"SGLang server {self.url} exited with code {self.process.returncode} during start-up "
-                                  f"(log {self.log_file}):\n{self.log_tail()}")
+                raise SGLangError(
+                    f"SGLang server {self.url} exited with code {self.process.returncode} during start-up (log {self.log_file}):\n{self.log_tail()}"
+                )
             try:
                 if self._session.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
             except requests.RequestException:
                 pass
             time.sleep(1.0)
-        raise SGLangError(f"SGLang server {self.url} not healthy within rollout.sglang.startup_timeout_s="
-                          f"{self.cfg.startup_timeout_s:g}s" + (f" (log {self.log_file}):\n{self.log_tail()}" if self.log_file else ""))
+        raise SGLangError(
+            f"SGLang server {self.url} not healthy within rollout.sglang.startup_timeout_s="
+            f"{self.cfg.startup_timeout_s:g}s" + (f" (log {self.log_file}):\n{self.log_tail()}" if self.log_file else "")
+        )
 
     def post(self, path: str, payload: dict | None = None, timeout: float | None = None):
         """POST JSON, return the decoded answer; a refusal, an error status or a timeout raises SGLangError."""

@@ -49,9 +49,7 @@ def _read_pad_token_id(policy_dir: str, model) -> int:
     return 0
 
 
-def sample_next_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [B, V] raw -> (tokens [B], log-probs [B] under softmax(logits / T), unfiltered).
 
     Sampling uses softmax(logits / T) restricted by top-k then top-p (HF's warpers), drawn by
@@ -202,9 +200,7 @@ class TorchEngine:
             position_ids = position_ids[:, -1:] + 1
         return tokens, logprobs
 
-    def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
-    ) -> list[Generation]:
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Generation]:
         input_ids, attention_mask = self._left_pad(prompts)
         tokens, logprobs = self._decode(input_ids, attention_mask, params, generator)
         stop_ids = set(params.stop_token_ids)

@@ -40,7 +40,7 @@ TORCH_VIEW_MODULES = {
     "megatron.core.optimizer.clip_grads": "grad-norm tensors with device='cuda'",
     "megatron.core.utils": "GlobalMemoryBuffer on torch.cuda.current_device()",
     "megatron.core.pipeline_parallel.p2p_communication": "torch.cuda.synchronize() after batched p2p",
-    "megatron.core.pipeline_parallel.schedules": "token counter with device=\"cuda\"",
+    "megatron.core.pipeline_parallel.schedules": 'token counter with device="cuda"',
     "megatron.core.transformer.moe.token_dispatcher": "alltoall dispatcher: streams, current_device",
     "megatron.core.tensor_parallel.mappings": "all-gather buffers on torch.cuda.current_device() (MoE alltoall)",
     "megatron.core.transformer.moe.router": "router weight moved to torch.cuda.current_device()",
@@ -75,11 +75,17 @@ class _Stream:
     def __init__(self, *args, **kwargs): ...
     def wait_stream(self, other) -> None: ...
     def wait_event(self, event) -> None: ...
-    def record_event(self, event=None): return _Stream()
+    def record_event(self, event=None):
+        return _Stream()
+
     def record(self, stream=None) -> None: ...
     def synchronize(self) -> None: ...
-    def query(self) -> bool: return True
-    def __enter__(self): return self
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
     def __exit__(self, *exc) -> None: ...
 
 
@@ -93,6 +99,7 @@ def _counted(name: str, fn):
     def wrapper(*args, **kwargs):
         HITS[name] += 1
         return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -135,14 +142,18 @@ class _TorchView(types.ModuleType):
                 kwargs["device"] = "cpu"
                 kwargs.pop("pin_memory", None)
             return fn(*args, **kwargs)
+
         return factory
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
 
-_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
-                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
 
 
 @contextlib.contextmanager
@@ -168,6 +179,7 @@ def _wrap_type_names(function: str, fn):
     def wrapper(*args, **kwargs):
         with _cuda_type_names(function):
             return fn(*args, **kwargs)
+
     return wrapper
 
 

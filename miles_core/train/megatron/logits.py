@@ -52,8 +52,7 @@ def response_logprobs_entropy(output: torch.Tensor, batch: PackedBatch, temperat
     logits = _mask_vocab_padding(output[:, :-1].float() / temperature, vocab_size)  # [b, L-1, V_local]
     entropy = _vocab_parallel_entropy(logits)  # [b, L-1]
     logprobs = -vocab_parallel_cross_entropy(logits, batch.input_ids[:, 1:])  # [b, L-1]
-    return (logprobs.gather(1, batch.gather_index) * batch.response_mask,
-            entropy.gather(1, batch.gather_index) * batch.response_mask)
+    return (logprobs.gather(1, batch.gather_index) * batch.response_mask, entropy.gather(1, batch.gather_index) * batch.response_mask)
 
 
 def from_last_stage(values: torch.Tensor) -> torch.Tensor:

@@ -49,14 +49,19 @@ def init_parallel(parallel: Parallel, seed: int) -> None:
     if world % model_parallel or (world // parallel.pipeline) % parallel.expert:
         raise ValueError(f"world size {world} does not fit tensor={parallel.tensor} x pipeline={parallel.pipeline} (x expert={parallel.expert})")
     if parallel_state.model_parallel_is_initialized():
-        current = Parallel(parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
-                           parallel_state.get_expert_model_parallel_world_size())
+        current = Parallel(
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
         if current == parallel:  # a second model (e.g. the KL reference) shares the groups of the first
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-        expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=1,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=1,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -64,21 +69,50 @@ def init_parallel(parallel: Parallel, seed: int) -> None:
 def transformer_config(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype, routing_replay: bool = False):
     from megatron.core.transformer import TransformerConfig
 
-    moe = dict(
-        num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_top_k, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-        moe_router_pre_softmax=not spec.moe_renormalize,  # softmax over all experts, then top-k, unless renormalised
-        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_enable_routing_replay=routing_replay,
-    ) if spec.num_experts else {}
+    moe = (
+        dict(
+            num_moe_experts=spec.num_experts,
+            moe_router_topk=spec.moe_top_k,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_pre_softmax=not spec.moe_renormalize,  # softmax over all experts, then top-k, unless renormalised
+            moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="none",
+            moe_enable_routing_replay=routing_replay,
+        )
+        if spec.num_experts
+        else {}
+    )
     return TransformerConfig(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        use_cpu_initialization=not torch.cuda.is_available(), params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-        expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=1, sequence_parallel=False, **moe,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=False,
+        **moe,
     )
 
 
@@ -95,9 +129,15 @@ def build_model(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype = torch.f
         RouterReplay.clear_global_router_replay_instances()
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     return GPTModel(
-        config, layer_spec, vocab_size=spec.padded_vocab_size, max_sequence_length=spec.max_positions,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=spec.tied_embeddings, position_embedding_type="rope", rotary_base=int(spec.rope_theta),
+        config,
+        layer_spec,
+        vocab_size=spec.padded_vocab_size,
+        max_sequence_length=spec.max_positions,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
     )
 
 
@@ -114,7 +154,15 @@ def build_optimizer(ddp_model, lr: float, weight_decay: float, betas: tuple[floa
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
-        optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=1e-8,
-        clip_grad=grad_clip, use_distributed_optimizer=True, bf16=ddp_model.config.bf16, params_dtype=ddp_model.config.params_dtype,
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_eps=1e-8,
+        clip_grad=grad_clip,
+        use_distributed_optimizer=True,
+        bf16=ddp_model.config.bf16,
+        params_dtype=ddp_model.config.params_dtype,
     )
     return get_megatron_optimizer(config, [ddp_model])

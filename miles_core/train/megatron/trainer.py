@@ -148,8 +148,13 @@ class MegatronTrainer(TrainerBase):
             return output, functools.partial(loss_of, micro)
 
         return get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(micro_batches), model=[self.ddp], num_microbatches=len(micro_batches),
-            seq_length=micro_batches[0].batch.input_ids.shape[1], micro_batch_size=len(micro_batches[0].batch), forward_only=forward_only,
+            forward_step_func=step,
+            data_iterator=iter(micro_batches),
+            model=[self.ddp],
+            num_microbatches=len(micro_batches),
+            seq_length=micro_batches[0].batch.input_ids.shape[1],
+            micro_batch_size=len(micro_batches[0].batch),
+            forward_only=forward_only,
         )
 
     def _micro_batches(self, batch: PackedBatch, weights: torch.Tensor | None = None, extras: dict | None = None) -> list[Micro]:
