@@ -7,6 +7,7 @@ tasks run stage by stage); the async phase runs on a real local Ray cluster, its
 rollout actors. Nothing is mocked.
 """
 
+import dataclasses
 import json
 import threading
 from collections import Counter
@@ -17,7 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from miles_core.async_buffer import draw_of, stream_position
-from miles_core.async_loop import PhaseSpec, run_phase
+from miles_core.async_loop import run_phase
 from miles_core.config import load_recipe
 from miles_core.data.problems import make_addition, write_jsonl
 from miles_core.data.source import DataState, PromptSource, load_prompts
@@ -26,6 +27,7 @@ from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.step import bind, run_step
 from miles_core.train.backends import convert_checkpoint, load_trainer
 from tests.conftest import REPO
+from tests.integration.test_async_phase import spec_for
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.integration
@@ -112,25 +114,7 @@ def test_sync_and_async_run_the_same_functions_with_the_same_settings(setup, rec
     RewardModel.requests = []
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"MILES_RECORD_FILE": str(record_file)}})
     try:
-        spec = PhaseSpec(
-            cfg=cfg.async_phase,
-            rollout=cfg.rollout,
-            reward=cfg.reward,
-            algo=cfg.algo,
-            train=cfg.train,
-            hooks=cfg.hooks,
-            source_fn=PromptSource,
-            seed=cfg.data.seed,
-            prompts=prompts,
-            state=DataState(),
-            waiting=[],
-            ckpt_dir=str(root / "ckpt"),
-            policy_dir=str(root / "policy"),
-            version=0,
-            reference_dir=str(root / "policy"),
-            first_iteration=0,
-            steps=1,
-        )
+        spec = dataclasses.replace(spec_for((cfg, prompts, root)), version=0, steps=1)
         result = run_phase(spec, str(root / "async-ckpt"))
     finally:
         ray.shutdown()
