@@ -22,6 +22,7 @@ from miles_core.samples import Sample
 from miles_core.step import StepFns, train_step
 from miles_core.train.base import Trainer
 from miles_core.train.torch_backend import TorchCritic, TorchTrainer
+from miles_core.weights.check import check_hf_dir
 from miles_core.weights.publish import copy_tokenizer, publish
 
 
@@ -34,7 +35,8 @@ def _backend(cfg: TrainConfig):
 
 
 def make_trainer(cfg: TrainConfig, policy_dir: str) -> Trainer:
-    """A fresh trainer (no optimizer state) on an HF checkpoint, e.g. the KL reference."""
+    """A fresh trainer (no optimizer state) on an HF checkpoint, e.g. the KL reference (checked first)."""
+    check_hf_dir(policy_dir)
     return _backend(cfg).from_hf(policy_dir, cfg)
 
 
@@ -44,7 +46,9 @@ def load_trainer(cfg: TrainConfig, ckpt_dir: str) -> Trainer:
 
 
 def convert_checkpoint(cfg: TrainConfig, algo: AlgoConfig, policy_dir: str, out_dir: Path) -> None:
-    """HF checkpoint -> the backend's checkpoint in out_dir (with a fresh critic for PPO, and the tokenizer)."""
+    """HF checkpoint -> the backend's checkpoint in out_dir (with a fresh critic for PPO, and the tokenizer).
+    The HF directory is checked before any compute: a malformed one fails naming its file and key or tensor."""
+    check_hf_dir(policy_dir)
     if cfg.backend == "megatron":
         from miles_core.checkpoint.torch_dist import hf_to_torch_dist  # optional backend: imported where used
 

@@ -40,11 +40,11 @@ def kill_mid_second_phase(root, home) -> None:
         start_new_session=True,
     )
     deadline = time.monotonic() + 600
-    while not list(root.glob("async/0001-*")):  # the first phase has finished
+    # the second phase has begun: its output's temporary folder exists (the first phase is complete by then)
+    while not list(root.glob("async/.0003-*.tmp-*")):
         assert proc.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline
-        time.sleep(0.2)
-    time.sleep(4.0)  # inside the second phase: actors starting or training
+        time.sleep(0.2)  # polling interval, not synchronisation
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     for pid in ray_processes_of(proc.pid):

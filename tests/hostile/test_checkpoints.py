@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_core.config import ModelConfig
+from miles_core.config import AlgoConfig, ModelConfig, TrainConfig
 from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.engines.torch_engine import TorchEngine
+from miles_core.train.backends import convert_checkpoint, make_trainer
 from miles_core.weights.check import MAX_JSON_BYTES, CheckpointError, check_hf_dir
 from miles_core.weights.publish import read_manifest, write_manifest
 
@@ -198,3 +199,16 @@ def test_a_written_manifest_reads_back(good, tmp_path):
 
 def test_the_corpus_is_large_enough():
     assert len(CASES) + len(MANIFESTS) + 2 >= 30
+
+
+def test_training_refuses_a_malformed_base_checkpoint_before_any_compute(tmp_path, good):
+    """The trainer's entry points (conversion of the base checkpoint, the KL reference) check the
+    HF directory first: a truncated weight file fails naming the file, and nothing is written."""
+    broken = tmp_path / "broken"
+    shutil.copytree(good, broken)
+    truncate(WEIGHTS, lambda size: size // 2)(broken)
+    out = tmp_path / "ckpt"
+    for call in (lambda: convert_checkpoint(TrainConfig(), AlgoConfig(), str(broken), out), lambda: make_trainer(TrainConfig(), str(broken))):
+        with pytest.raises(CheckpointError, match="model.safetensors"):
+            call()
+    assert not out.exists()
