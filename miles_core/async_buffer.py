@@ -13,11 +13,13 @@ waiting in the buffer handed to the next phase.
 
 Bound: groups ready plus prompts leased never exceed `capacity`; a full buffer leases nothing
 (the rollout actor waits), which is what keeps a fast rollout from running far ahead.
+`phase_summary` turns a phase's consumed batches and the buffer's drained counts into its totals.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import Counter
 
 from miles_core.data.source import DataState, Prompt
@@ -151,3 +153,28 @@ class SampleBuffer:
             "restarts": sum(self.registrations.values()) - len(self.registrations),
             "rollout": dict(self.rollout_stats),
         }
+
+
+def phase_summary(consumed: list[list[Sample]], steps: list[dict], drained: dict, train_s: float) -> dict[str, float]:
+    """Phase totals over the trainer's run (from its first take, actors' start-up excluded):
+    throughput, staleness distribution, queue depth, idle times, restarts, drops."""
+    samples = [s for batch in consumed for s in batch]
+    staleness = Counter(s.metadata["trainer_version"] - s.weight_version for s in samples)
+    rollout, depths = drained["rollout"], [m["async/queue_depth"] for m in steps]
+    return {
+        "async/samples_per_s": len(samples) / train_s,
+        "async/tokens_per_s": sum(len(s.response_tokens) for s in samples) / train_s,
+        "async/generated_samples_per_s": rollout.get("samples", 0) / train_s,
+        "async/generated_tokens_per_s": rollout.get("tokens", 0) / train_s,
+        "async/rollout_busy_s": rollout.get("busy_s", 0.0),
+        "async/rollout_idle_s": rollout.get("idle_s", 0.0),
+        "async/queue_depth_mean": statistics.fmean(depths),
+        "async/queue_depth_max": float(max(depths)),
+        "async/phase_staleness_mean": sum(k * v for k, v in staleness.items()) / max(len(samples), 1),
+        **{f"async/staleness_{k}_fraction": v / len(samples) for k, v in sorted(staleness.items())},
+        "async/dropped_samples": float(len(drained["dropped"])),
+        "async/filtered_groups": float(len(drained["filtered"])),
+        "async/buffered_groups": float(len(drained["groups"])),
+        "async/actor_restarts": float(drained["restarts"]),
+        "time/async_train_s": train_s,
+    }

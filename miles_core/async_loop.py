@@ -29,12 +29,11 @@ import functools
 import statistics
 import threading
 import time
-from collections import Counter
 
 import torch
 
 from miles_core import step
-from miles_core.async_buffer import SampleBuffer, draw_of
+from miles_core.async_buffer import SampleBuffer, draw_of, phase_summary
 from miles_core.config import AlgoConfig, AsyncConfig, HooksConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, Prompt
 from miles_core.plugins import plugin
@@ -365,7 +364,7 @@ def run_phase(spec: PhaseSpec, ckpt_out: str, policy_out: str | None = None, dty
     finally:
         for actor in (*workers, trainer, buffer):
             ray.kill(actor, no_restart=True)
-    metrics = _summary(consumed, steps, drained, train_s)
+    metrics = phase_summary(consumed, steps, drained, train_s)
     metrics.update({"train/step": float(optimizer_step), "time/async_startup_s": ready - started, "time/async_phase_s": time.perf_counter() - started})
     return PhaseResult(consumed, drained["groups"], drained["state"], drained["dropped"], steps, metrics, drained["filtered"])
 
@@ -387,28 +386,3 @@ def _wait_for(targets: list, watch: list, timeout: float | None = None) -> None:
         except ray.exceptions.RayError as err:
             cause = getattr(err, "cause", None)
             raise AsyncPhaseError(f"async phase failed: {cause if isinstance(cause, AsyncPhaseError) else err}") from None
-
-
-def _summary(consumed: list[list[Sample]], steps: list[dict], drained: dict, train_s: float) -> dict[str, float]:
-    """Phase totals over the trainer's run (from its first take, actors' start-up excluded):
-    throughput, staleness distribution, queue depth, idle times, restarts, drops."""
-    samples = [s for batch in consumed for s in batch]
-    staleness = Counter(s.metadata["trainer_version"] - s.weight_version for s in samples)
-    rollout, depths = drained["rollout"], [m["async/queue_depth"] for m in steps]
-    return {
-        "async/samples_per_s": len(samples) / train_s,
-        "async/tokens_per_s": sum(len(s.response_tokens) for s in samples) / train_s,
-        "async/generated_samples_per_s": rollout.get("samples", 0) / train_s,
-        "async/generated_tokens_per_s": rollout.get("tokens", 0) / train_s,
-        "async/rollout_busy_s": rollout.get("busy_s", 0.0),
-        "async/rollout_idle_s": rollout.get("idle_s", 0.0),
-        "async/queue_depth_mean": statistics.fmean(depths),
-        "async/queue_depth_max": float(max(depths)),
-        "async/phase_staleness_mean": sum(k * v for k, v in staleness.items()) / max(len(samples), 1),
-        **{f"async/staleness_{k}_fraction": v / len(samples) for k, v in sorted(staleness.items())},
-        "async/dropped_samples": float(len(drained["dropped"])),
-        "async/filtered_groups": float(len(drained["filtered"])),
-        "async/buffered_groups": float(len(drained["groups"])),
-        "async/actor_restarts": float(drained["restarts"]),
-        "time/async_train_s": train_s,
-    }

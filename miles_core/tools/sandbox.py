@@ -328,15 +328,11 @@ def _kill(proc: subprocess.Popen) -> None:
     SIGKILL the whole process group if the launcher does not exit promptly."""
     if proc.poll() is None:
         proc.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=2.0)
             return
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
@@ -369,10 +365,9 @@ def run_python(code: str | bytes, limits: SandboxLimits = SandboxLimits()) -> Sa
     filter_bytes = seccomp.deny_filter()
     memory = ((limits.memory_mb + limits.scratch_mb) << 20) + SHM_BYTES  # the processes, the scratch tmpfs and /dev/shm
     with tempfile.TemporaryFile() as code_file, tempfile.TemporaryFile() as filter_file, _own_uid() as uid:
-        code_file.write(source)
-        filter_file.write(filter_bytes)
-        code_file.seek(0)
-        filter_file.seek(0)
+        for file, data in ((code_file, source), (filter_file, filter_bytes)):
+            file.write(data)
+            file.seek(0)
         masks = {name: _empty_fd() for name in MASKED_PROC if os.path.exists(f"/proc/{name}")}
         group = cgroup.create(memory, limits.max_processes + BWRAP_PROCESSES)
         try:

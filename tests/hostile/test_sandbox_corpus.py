@@ -199,8 +199,8 @@ CORPUS = [
     ),
     Hostile("reserve a huge mapping", "overcommit the host", "import mmap\nattempt(lambda: mmap.mmap(-1, 8 << 30))", ("ok",)),
     Hostile(
-        "decompression bomb",
-        "expand a small input into gigabytes",
+        "zip bomb",
+        "expand bytes to gigabytes",
         "import zlib\nz = zlib.compress(b'0' * (64 << 20))\nx = [zlib.decompress(z) for _ in range(64)]",
         ("memory_limit",),
         "",
@@ -208,11 +208,7 @@ CORPUS = [
     Hostile("fill scratch", "fill the host's disk", "attempt(lambda: [open(f'f{i}', 'wb').write(b'0' * (3 << 20)) for i in range(16)])", ("ok",)),
     Hostile("one huge file", "write past the file-size limit", "open('big', 'wb').write(b'0' * (64 << 20))", ("crashed", "error"), ""),
     Hostile(
-        "many small files",
-        "exhaust the scratch tmpfs's inodes and memory",
-        "attempt(lambda: [open(f'f{i}', 'w').close() for i in range(10**6)])",
-        ("ok", "cpu_limit", "timeout"),
-        "",
+        "many small files", "exhaust scratch inodes", "attempt(lambda: [open(f'f{i}', 'w').close() for i in range(10**6)])", ("ok", "cpu_limit", "timeout"), ""
     ),
     Hostile("fill /dev/shm", "hold memory in shared memory files", "attempt(lambda: open('/dev/shm/x', 'wb').write(b'0' * (8 << 20)))", ("ok",)),
     Hostile("open every fd", "exhaust the host's file table", "attempt(lambda: [open('/dev/null') for _ in range(10**5)])", ("ok",)),
