@@ -28,6 +28,11 @@ def workflow_env(home: Path) -> dict:
     return {**os.environ, "HOME": str(home), "FLYTE_SDK_LOGGING_LEVEL": "20", "TRANSFORMERS_VERBOSITY": "error"}
 
 
+def extends(target: Path, recipe: Path) -> str:
+    """`extends:` for a recipe written at `recipe` that extends `target` (recipes take relative paths only)."""
+    return os.path.relpath(target, recipe.parent)
+
+
 def run_workflow(recipe: str, root: Path, home: Path, *overrides: str) -> subprocess.CompletedProcess:
     out = subprocess.run(workflow_command(recipe, root, *overrides), cwd=REPO, env=workflow_env(home), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

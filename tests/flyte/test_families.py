@@ -12,7 +12,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, run_workflow
+from tests.conftest import REPO, extends, run_workflow
 
 pytestmark = pytest.mark.flyte
 
@@ -26,7 +26,7 @@ def family_runs(tmp_path_factory):
     smoke = yaml.safe_load((REPO / "recipes" / "smoke.yaml").read_text())
     for family in FAMILIES:
         recipe = base / f"{family}.yaml"
-        values = {**smoke, "extends": str(REPO / "recipes" / f"{family}.yaml"), "name": family, "iterations": 2}
+        values = {**smoke, "extends": extends(REPO / "recipes" / f"{family}.yaml", recipe), "name": family, "iterations": 2}
         values["algo"] = {"critic_warmup_steps": 1}  # ppo: the policy trains in the second iteration
         values["tracking"] = {"experiment": "families"}
         recipe.write_text(yaml.safe_dump(values))

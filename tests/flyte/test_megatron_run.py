@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, final_policy, run_workflow
+from tests.conftest import REPO, extends, final_policy, run_workflow
 
 pytestmark = [pytest.mark.flyte, pytest.mark.integration]
 
@@ -48,7 +48,7 @@ def test_ppo_trains_its_critic_beside_the_megatron_policy():
     with tempfile.TemporaryDirectory(prefix="megatron-ppo-") as tmp:
         recipe, root = Path(tmp) / "ppo.yaml", Path(tmp) / "runs"
         values = yaml.safe_load((REPO / "recipes" / "smoke.yaml").read_text())
-        values |= {"extends": str(REPO / "recipes" / "ppo.yaml"), "iterations": 2, "algo": {"critic_warmup_steps": 1}}
+        values |= {"extends": extends(REPO / "recipes" / "ppo.yaml", recipe), "iterations": 2, "algo": {"critic_warmup_steps": 1}}
         recipe.write_text(yaml.safe_dump(values))
         run_workflow(str(recipe), root, Path(tmp) / "home", "train.backend=megatron")
         checkpoints = sorted(p.parent for p in root.glob("checkpoint/*/trainer_state.json"))

@@ -10,6 +10,7 @@ from containers.images import cpu_image
 from miles_core.config import TrainConfig, load_recipe
 from tasks import rl as rl_tasks
 from tasks.common import BatchResult, Checkpoint, Policy
+from tests.conftest import REPO, extends
 from tests.flyte.test_compile import compile_entity
 
 pytestmark = pytest.mark.flyte
@@ -68,6 +69,6 @@ def test_bad_parallel_sizes_fail_before_anything_runs(tmp_path):
     from miles_core.config import ConfigError
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("extends: " + str((__import__("pathlib").Path("recipes/tiny_arith_megatron.yaml")).resolve()) + "\ntrain: {tensor_parallel: 3}\n")
+    bad.write_text(f"extends: {extends(REPO / 'recipes/tiny_arith_megatron.yaml', bad)}\ntrain: {{tensor_parallel: 3}}\n")
     with pytest.raises(ConfigError, match=r"bad.yaml: train.nproc_per_node: must be a multiple of tensor_parallel x pipeline_parallel = 3"):
         load_recipe(bad)
