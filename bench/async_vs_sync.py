@@ -42,7 +42,7 @@ from miles_core.rollout.engines import make_engine
 from miles_core.step import bind, run_step
 from miles_core.step import evaluate as evaluate_policy
 from miles_core.train.torch_backend import TorchTrainer
-from tasks.prepare import build_model, make_data
+from tasks.prepare import admit_model, base_model, make_data
 from tasks.rl import convert
 from tasks.sft import sft
 
@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def prepare(cfg):
-    base = build_model(cfg=cfg.model, root=cfg.run_root)
+    base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
     ckpt = convert(cfg=cfg.train, algo=cfg.algo, policy=start, root=cfg.run_root)

@@ -1,26 +1,43 @@
-"""Preparation tasks: the base model and the prompt data, both built deterministically."""
+"""Preparation tasks: the base model (a user's checkpoint, or the tiny one built deterministically), its
+admission, and the prompt data."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+import flytekit
 from flytekit import task
 
 from containers.images import cpu_image
-from miles_core.config import DataConfig, ModelConfig
+from miles_core.config import DataConfig, ModelConfig, TrainConfig
 from miles_core.data.problems import make_problem_set, write_jsonl
 from miles_core.data.source import load_prompts
-from miles_core.models.tiny import build_tiny_model
+from miles_core.models.source import admit, fetch_base
 from miles_core.storage import artifact_path, atomic_file, sha256_file
 from tasks.common import Dataset, Policy, cache_version, lasting_dir, lasting_file
 
 
+def _download(uri: str, local: str) -> None:
+    """An object-store directory into `local`, through the execution's file access (its credentials and retries)."""
+    flytekit.current_context().file_access.get_data(uri, local, is_multipart=True)
+
+
 @task(cache=True, cache_version=cache_version(ModelConfig, module=__name__), container_image=cpu_image)
-def build_model(cfg: ModelConfig, root: str) -> Policy:
-    """The tiny base policy (HF directory) as version 0."""
+def base_model(cfg: ModelConfig, root: str) -> Policy:
+    """The base policy as version 0: the checkpoint model.path names, or the tiny model; its source and digest in source.json."""
     out = artifact_path(root, "base", 0, cfg)
-    return Policy(dir=lasting_dir(build_tiny_model(cfg, str(out))), version=0)
+    record = fetch_base(cfg, out, _download)
+    print(f"base model: {record['path']} (sha256 {record['sha256'][:12]})")
+    return Policy(dir=lasting_dir(out), version=0)
+
+
+@task(cache=True, cache_version=cache_version(TrainConfig, module=__name__), container_image=cpu_image)
+def admit_model(base: Policy, train: TrainConfig) -> Policy:
+    """The base policy, once the boundary check passed (whole weights, fitting tokenizer, an architecture and
+    shape the trainer backend takes); every later stage starts from this output, so a refusal comes first."""
+    admit(base.dir.path, train)
+    return base
 
 
 @task(cache=True, cache_version=cache_version(DataConfig, module=__name__), container_image=cpu_image)

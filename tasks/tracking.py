@@ -15,6 +15,7 @@ from flytekit import Deck, task
 from containers.images import cpu_image
 from miles_core import tracking
 from miles_core.config import RunConfig, config_hash, flatten
+from miles_core.models.source import read_source
 from miles_core.weights.publish import read_manifest
 from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking
 
@@ -29,9 +30,10 @@ class Report:
 
 
 @task(cache=False, container_image=cpu_image)
-def start_run(cfg: RunConfig, dataset: Dataset, start: Policy, evaluation: dict[str, float]) -> Tracking:
+def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, evaluation: dict[str, float]) -> Tracking:
     uri = tracking.tracking_uri(cfg.tracking, cfg.run_root)
     execution = flytekit.current_context().execution_id
+    source = read_source(base.dir.path)
     run_id = tracking.start_run(
         uri,
         cfg.tracking.experiment or cfg.name,
@@ -42,6 +44,8 @@ def start_run(cfg: RunConfig, dataset: Dataset, start: Policy, evaluation: dict[
             "config_hash": config_hash(cfg),
             "data_hash": dataset.sha256,
             "parent_version": start.version,
+            "model.source": source["path"],  # the base checkpoint every policy version of this run descends from
+            "model.sha256": source["sha256"],
             "flyte.execution_id": f"{execution.project}:{execution.domain}:{execution.name}",
             "parent_policy_dir": start.dir.path,
         },

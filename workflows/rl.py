@@ -1,4 +1,4 @@
-"""The RL workflow: base model -> SFT -> convert -> [rollout -> score -> train -> publish] x N.
+"""The RL workflow: base model (admitted) -> SFT -> convert -> [rollout -> score -> train -> publish] x N.
 
     pyflyte run workflows/rl.py rl --cfg "$(python -m miles_core.config recipes/tiny_arith_cpu.yaml)"
 
@@ -19,7 +19,7 @@ from miles_core.data.source import DataState
 from miles_core.plugins import STAGE_PLUGPOINTS, plugin_code
 from tasks.async_phase import async_phase
 from tasks.common import Dataset, Policy, Tracking
-from tasks.prepare import build_model, make_data
+from tasks.prepare import admit_model, base_model, make_data
 from tasks.rl import convert, evaluate, publish, rollout, score, stage_code, train, train_overrides
 from tasks.sft import sft
 from tasks.tracking import Report, finish_run, log_iteration, log_phase, start_run
@@ -106,12 +106,12 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
 
 @workflow
 def rl(cfg: RunConfig = RunConfig()) -> Report:  # noqa: B008 (the workflow's default input, frozen)
-    base = build_model(cfg=cfg.model, root=cfg.run_root)
+    base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
     before = evaluate(
         cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=start, dataset=dataset, code=stage_code(cfg=cfg, stage="evaluate")
     )
-    run = start_run(cfg=cfg, dataset=dataset, start=start, evaluation=before)
+    run = start_run(cfg=cfg, dataset=dataset, base=base, start=start, evaluation=before)
     final = rl_loop(cfg=cfg, start=start, dataset=dataset, run=run)
     return finish_run(run=run, before=before, after=final.evaluation, policy=final.policy, root=cfg.run_root)

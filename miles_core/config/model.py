@@ -1,4 +1,4 @@
-"""model: the policy's architecture and size."""
+"""model: the base policy: a user's HF checkpoint (path), or the tiny one built from the architecture and size."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ from miles_core.config.base import check as _check
 from miles_core.config.base import check_finite
 
 MODEL_ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
+URI_SCHEMES = ("s3://", "gs://", "gcs://", "abfs://", "abfss://", "az://", "oci://", "file://")  # what flytekit's file access reads
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The tiny policy built from a seed (standard HF architecture, local tokenizer)."""
+    """The base policy. `path` names a user's HF checkpoint (its weights, tokenizer, chat template and
+    generation config are used as they are); without it the tiny policy is built from the fields below
+    and a seed (standard HF architecture, local tokenizer), which a path makes unused."""
 
+    path: str = ""  # an HF checkpoint: a local directory, or an object-store URI (s3://, gs://, abfs://) the task downloads
     arch: str = "qwen2"  # qwen2 | qwen3 | llama | qwen3_moe
     hidden_size: int = 128
     num_layers: int = 4
@@ -27,6 +31,14 @@ class ModelConfig:
 
     def __post_init__(self):
         check_finite(self, "model")
+        _check(
+            len(self.path) <= 4096 and self.path.isprintable() and self.path == self.path.strip(),
+            "model.path",
+            f"must be a directory or an object-store URI (printable, no surrounding spaces), got {self.path[:80]!r}",
+        )
+        _check(
+            "://" not in self.path or self.path.startswith(URI_SCHEMES), "model.path", f"unknown scheme in {self.path[:80]!r} (known: {', '.join(URI_SCHEMES)})"
+        )
         _check(self.arch in MODEL_ARCHS, "model.arch", f"must be one of {', '.join(MODEL_ARCHS)}, got {self.arch!r}")
         _check(self.num_experts >= 2 and self.moe_intermediate_size > 0, "model.num_experts", "need num_experts >= 2 and moe_intermediate_size > 0")
         _check(1 <= self.moe_top_k <= self.num_experts, "model.moe_top_k", f"must be in [1, num_experts={self.num_experts}]")

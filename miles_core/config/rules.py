@@ -31,14 +31,29 @@ def _megatron(c) -> bool:
     return c.train.backend == "megatron"
 
 
-def _divides(size_key: str, model_key: str):
-    """A rule: train.<size_key> divides model.<model_key> (megatron splits that dimension over the ranks)."""
-    return Rule(
-        f"train.{size_key}",
-        lambda c: _megatron(c) and getattr(c.train, size_key) > 1,
-        lambda c: getattr(c.model, model_key) % getattr(c.train, size_key) == 0,
-        lambda c: f"must divide model.{model_key} ({getattr(c.model, model_key)}): megatron splits it over {getattr(c.train, size_key)} ranks",
-    )
+# (train.<size key>, the model dimension megatron splits over that many ranks)
+PARALLEL_SPLITS = (
+    ("tensor_parallel", "num_heads"),
+    ("tensor_parallel", "num_kv_heads"),
+    ("tensor_parallel", "intermediate_size"),
+    ("pipeline_parallel", "num_layers"),
+    ("expert_parallel", "num_experts"),
+)
+
+
+def check_parallel_fit(train, shape: dict[str, int], where: str) -> None:
+    """Megatron's parallel sizes divide the model's dimensions (`shape`: the model section's, or a
+    checkpoint's config.json read at admission); `where` prefixes the model key in the message."""
+    if train.backend != "megatron":
+        return
+    for size_key, model_key in PARALLEL_SPLITS:
+        size = getattr(train, size_key)
+        if size > 1 and shape[model_key] % size:
+            raise ConfigError(f"train.{size_key}: must divide {where}{model_key} ({shape[model_key]}): megatron splits it over {size} ranks")
+
+
+def _tiny_shape(c) -> dict[str, int]:
+    return {key: getattr(c.model, key) for _, key in PARALLEL_SPLITS}
 
 
 def _torch_ignores(key: str, default):
@@ -78,17 +93,12 @@ RULES: tuple[Rule, ...] = (
     _torch_ignores("tensor_parallel", 1),
     _torch_ignores("pipeline_parallel", 1),
     _torch_ignores("expert_parallel", 1),
-    _divides("tensor_parallel", "num_heads"),
-    _divides("tensor_parallel", "num_kv_heads"),
-    _divides("tensor_parallel", "intermediate_size"),
-    _divides("pipeline_parallel", "num_layers"),
     Rule(
         "train.expert_parallel",
-        lambda c: c.train.expert_parallel > 1,
+        lambda c: c.train.expert_parallel > 1 and not c.model.path,
         lambda c: c.model.arch == "qwen3_moe",
         lambda c: f"expert parallelism splits MoE experts, and model.arch {c.model.arch!r} has none: use 1 or arch qwen3_moe",
     ),
-    _divides("expert_parallel", "num_experts"),
     Rule(
         "async_phase.queue_size",
         _async,
@@ -117,7 +127,10 @@ RULES: tuple[Rule, ...] = (
 
 
 def check_rules(cfg) -> None:
-    """Raise ConfigError naming the key of the first rule `cfg` breaks."""
+    """Raise ConfigError naming the key of the first rule `cfg` breaks. A user's checkpoint (model.path)
+    has its shape checked against the parallel sizes when the run admits it (models.source.admit)."""
     for rule in RULES:
         if rule.applies(cfg) and not rule.holds(cfg):
             raise ConfigError(f"{rule.key}: {rule.reason(cfg)}")
+    if not cfg.model.path:
+        check_parallel_fit(cfg.train, _tiny_shape(cfg), where="model.")

@@ -24,7 +24,7 @@ def loss(algo, logprobs, entropy, mask, extras):
 '''
 
 # the cached tasks in the order one iteration runs them (stage_code, start_run and the logging tasks are not cached)
-ORDER = ["build_model", "make_data", "sft", "evaluate", "convert", "rollout", "score", "train", "publish", "evaluate"]
+ORDER = ["base_model", "admit_model", "make_data", "sft", "evaluate", "convert", "rollout", "score", "train", "publish", "evaluate"]
 
 
 def cache_lines(log: str) -> list[str]:
@@ -45,6 +45,6 @@ def test_a_changed_loss_reruns_training_and_keeps_the_rollouts(tmp_path, monkeyp
     (plugins / "my_loss.py").write_text(LOSS.format(suffix=", scaled", scale="0.5"))  # the loss function's source changed
     out = run_workflow("recipes/smoke.yaml", root, home, *args)
     second = dict(zip(ORDER[:-1], cache_lines(out.stdout + out.stderr)))
-    assert [second[t] for t in ("build_model", "make_data", "sft", "convert", "rollout", "score")] == ["hit"] * 6  # the rollouts are kept
+    assert [second[t] for t in ("base_model", "admit_model", "make_data", "sft", "convert", "rollout", "score")] == ["hit"] * 7  # the rollouts are kept
     assert second["train"] == "miss" and second["publish"] == "miss"  # the training step ran the new loss
     assert len(list(root.glob("checkpoint/0001-*"))) == 2  # the new program's checkpoint beside the old one's

@@ -1,4 +1,4 @@
-"""A real local execution of the RL workflow: it trains, logs to MLflow, and resumes after a kill."""
+"""A real local execution of the RL workflow: it trains, logs to MLflow, starts from a user's checkpoint, and resumes after a kill."""
 
 import os
 import signal
@@ -8,6 +8,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
+from miles_core.models.source import checkpoint_digest, read_source
 from miles_core.storage import sha256_file
 from tests.conftest import REPO, final_policy, run_workflow, workflow_command, workflow_env
 
@@ -31,16 +32,21 @@ def test_run_trains_and_tracks(smoke_run):
     assert run.data.params["rollout.n_samples"] == "4"
     assert run.data.tags["policy_version"] == "4" and run.data.tags["parent_version"] == "1"
     assert {"config_hash", "data_hash", "flyte.execution_id", "policy_sha256"} <= set(run.data.tags)
+    (base,) = root.glob("base/*/")
+    assert run.data.tags["model.source"] == "tiny:qwen2:seed=0" and run.data.tags["model.sha256"] == checkpoint_digest(base)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "policies")}
     assert artifacts == {f"policies/v{v:04d}.json" for v in (2, 3, 4)}
     assert any(a.path.endswith("reward_curve.png") for a in client.list_artifacts(run.info.run_id))
 
 
-def test_killed_run_resumes_from_cache_to_the_same_weights(smoke_run, tmp_path):
+def test_run_from_a_checkpoint_path_resumes_after_a_kill_to_the_same_weights(smoke_run, tmp_path):
+    """The second run starts from a user's checkpoint (model.path: the first run's tiny base, saved as any HF
+    directory is); it is killed mid-run and resumed, and ends on the same weights, bit for bit, as the first."""
     root_a, _ = smoke_run
-    root, home = tmp_path / "runs", tmp_path / "home"
+    (checkpoint,) = root_a.glob("base/*/")
+    root, home, args = tmp_path / "runs", tmp_path / "home", ("iterations=3", f"model.path={checkpoint}")
     proc = subprocess.Popen(
-        workflow_command("recipes/smoke.yaml", root, "iterations=3"),
+        workflow_command("recipes/smoke.yaml", root, *args),
         cwd=REPO,
         env=workflow_env(home),
         stdout=subprocess.DEVNULL,
@@ -56,7 +62,9 @@ def test_killed_run_resumes_from_cache_to_the_same_weights(smoke_run, tmp_path):
     proc.wait()
     assert not list(root.glob("policy/0004-*"))  # killed before the end
 
-    resumed = run_workflow("recipes/smoke.yaml", root, home, "iterations=3")
+    resumed = run_workflow("recipes/smoke.yaml", root, home, *args)
     log = resumed.stdout + resumed.stderr
-    assert log.count("Cache hit") >= 8  # model, data, sft, evaluate, convert, rollout/score/train of iteration 1 ...
+    assert log.count("Cache hit") >= 9  # model, admission, data, sft, evaluate, convert, rollout/score/train of iteration 1 ...
     assert sha256_file(final_policy(root) / "model.safetensors") == sha256_file(final_policy(root_a) / "model.safetensors")
+    (base,) = root.glob("base/*/")
+    assert read_source(base) == {"path": str(checkpoint), "sha256": checkpoint_digest(checkpoint)}

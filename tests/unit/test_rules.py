@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from miles_core.config import AlgoConfig, ConfigError, RunConfig, load_recipe
-from miles_core.config.rules import RULES
+from miles_core.config.rules import PARALLEL_SPLITS, RULES
 
 MEGATRON = {"train.backend": "megatron"}
 ASYNC = {"async_phase.schedule": "async"}
@@ -100,10 +100,18 @@ def test_rule_refuses_with_its_key_and_accepts_the_fix(tmp_path, overrides, mess
 
 
 def test_every_rule_of_the_table_has_a_case():
-    # each case breaks a different row: the messages name len(RULES) distinct (key, reason) rows
-    assert len(CASES) == len(RULES)
-    assert len({message for _, _, message, _ in CASES}) == len(RULES)
-    assert {c[2].split(":")[0] for c in CASES} == {rule.key for rule in RULES}
+    # each case breaks a different row: the messages name one distinct (key, reason) per rule and per parallel split
+    assert len(CASES) == len(RULES) + len(PARALLEL_SPLITS)
+    assert len({message for _, _, message, _ in CASES}) == len(CASES)
+    assert {c[2].split(":")[0] for c in CASES} == {rule.key for rule in RULES} | {f"train.{size}" for size, _ in PARALLEL_SPLITS}
+
+
+def test_a_checkpoint_path_defers_the_shape_rules_to_its_admission(tmp_path):
+    """model.path: the model section's sizes are unused, so the checkpoint's config.json is checked when the run admits it."""
+    overrides = {**MEGATRON, "train.nproc_per_node": 3, "train.tensor_parallel": 3, "train.expert_parallel": 1}
+    with pytest.raises(ConfigError, match="must divide model.num_heads"):
+        load_recipe(recipe(tmp_path), overrides)
+    assert load_recipe(recipe(tmp_path), {**overrides, "model.path": "s3://bucket/ckpt"}).model.path == "s3://bucket/ckpt"
 
 
 def test_rules_also_hold_for_configs_built_in_code():

@@ -1,0 +1,121 @@
+"""The base model: a user's HF checkpoint (`model.path`) or the tiny one built from the model section.
+
+Either way the result is an HF directory in the run's artifacts that every stage loads the same
+way (`from_pretrained`): weights, config, tokenizer with its chat template, generation config.
+
+* `fetch_base(cfg, out, download)`: a checkpoint named by `model.path` is brought in (an
+  object-store URI through `download`, the task's file access; a local directory is copied);
+  without a path the tiny model is built from the section.
+* `admit(model_dir, train)`: the boundary check, run before any compute reads the weights: a whole
+  checkpoint transformers can build (`weights.check.check_hf_dir`: what the torch trainer, the
+  embedded engine and SGLang's transformers fallback all need), a tokenizer whose ids fit the
+  embedding, an architecture the megatron converter supports when it trains, and parallel sizes
+  that divide the model's shape. Each refusal names the file and the key.
+* `source.json` in the base directory records where the weights came from and their digest; the
+  tracking run logs it, so every policy version traces back to the exact checkpoint it started from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from miles_core.config import ModelConfig, TrainConfig
+from miles_core.config.model import URI_SCHEMES
+from miles_core.config.rules import check_parallel_fit
+from miles_core.models.tiny import build_tiny_model
+from miles_core.storage import atomic_dir
+from miles_core.weights.check import CheckpointError, check_hf_dir, json_object
+
+SOURCE_FILE = "source.json"
+_CHUNK = 8 << 20
+
+
+def is_uri(path: str) -> bool:
+    return path.startswith(URI_SCHEMES)
+
+
+def checkpoint_digest(model_dir: str | Path) -> str:
+    """sha256 over every file of the checkpoint (relative name and bytes, in name order), source.json excluded."""
+    root, h = Path(model_dir), hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and p.name != SOURCE_FILE):
+        h.update(file.relative_to(root).as_posix().encode() + b"\0")
+        with file.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_base(cfg: ModelConfig, out: str | Path, download: Callable[[str, str], None]) -> dict:
+    """The base checkpoint at `out` (replaced atomically); returns its source record (also written to out/source.json)."""
+    with atomic_dir(out) as tmp:
+        if not cfg.path:
+            build_tiny_model(cfg, str(tmp))
+        elif is_uri(cfg.path):
+            download(cfg.path, str(tmp))
+        elif Path(cfg.path).is_dir():
+            shutil.copytree(cfg.path, tmp, dirs_exist_ok=True)  # a copy, not links: the user may rewrite their files in place
+        else:
+            raise CheckpointError(f"model.path: {cfg.path} is no directory here (on a cluster, name an object-store URI: {', '.join(URI_SCHEMES[:3])} ...)")
+        (tmp / SOURCE_FILE).unlink(missing_ok=True)  # a checkpoint that is itself a base artifact keeps its own origin out
+        record = {"path": cfg.path or f"tiny:{cfg.arch}:seed={cfg.seed}", "sha256": checkpoint_digest(tmp)}
+        (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2))
+    return record
+
+
+def read_source(model_dir: str | Path) -> dict:
+    return json_object(Path(model_dir) / SOURCE_FILE, "the base model's source record")
+
+
+def text_config(config: dict) -> dict:
+    """The causal LM's part of a config.json: a multimodal checkpoint keeps it under text_config."""
+    return config.get("text_config") or config
+
+
+def model_shape(config: dict) -> dict[str, int]:
+    """The sizes megatron splits over ranks, read from an HF config.json (keys as in the model section)."""
+    text = text_config(config)
+    experts = next((text[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if isinstance(text.get(k), int)), 0)
+    return {
+        "num_heads": text.get("num_attention_heads", 0),
+        "num_kv_heads": text.get("num_key_value_heads") or text.get("num_attention_heads", 0),
+        "intermediate_size": text.get("intermediate_size", 0),
+        "num_layers": text.get("num_hidden_layers", 0),
+        "num_experts": experts,
+    }
+
+
+def _check_vocab(directory: Path, config: dict) -> None:
+    from transformers import AutoTokenizer  # the tokenizer only after the files parsed (check_hf_dir)
+
+    rows = text_config(config).get("vocab_size")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    if not isinstance(rows, int) or len(tokenizer) > rows:
+        raise CheckpointError(
+            f"{directory / 'config.json'}: key vocab_size: {rows!r} embedding rows, but the tokenizer has {len(tokenizer)} tokens "
+            "(ids past the embedding would index out of range): the tokenizer does not belong to these weights"
+        )
+
+
+def _check_backend(directory: Path, config: dict, backend: str) -> None:
+    if backend != "megatron":  # the torch backend trains whatever transformers builds (check_hf_dir built it)
+        return
+    from miles_core.checkpoint.hf_megatron import arch_spec
+
+    try:
+        arch_spec(config, source=str(directory / "config.json"))
+    except ValueError as err:
+        raise CheckpointError(f"{err} (train.backend: megatron)") from None
+
+
+def admit(model_dir: str | Path, train: TrainConfig) -> None:
+    """Raise CheckpointError (or ConfigError for parallel sizes) unless the run can train and serve this checkpoint."""
+    directory = Path(model_dir)
+    check_hf_dir(directory, tokenizer=True)
+    config = json_object(directory / "config.json", "the model's config")
+    _check_vocab(directory, config)
+    _check_backend(directory, config, train.backend)
+    check_parallel_fit(train, model_shape(config), where=f"{directory / 'config.json'}: ")

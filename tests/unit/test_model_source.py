@@ -1,0 +1,112 @@
+"""The base model from model.path (a directory or an object-store URI) and its admission before any compute."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from flytekit.core.data_persistence import FileAccessProvider
+
+from miles_core.config import ConfigError, ModelConfig, TrainConfig
+from miles_core.models.source import admit, checkpoint_digest, fetch_base, read_source
+from miles_core.models.tiny import build_tiny_model
+from miles_core.weights.check import CheckpointError
+
+MEGATRON_TP2 = TrainConfig(backend="megatron", tensor_parallel=2, nproc_per_node=2)
+
+
+def no_download(uri: str, local: str) -> None:
+    raise AssertionError(f"nothing should be downloaded, got {uri}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A user's checkpoint: the tiny model saved as any HF directory is (weights, config, tokenizer, generation config)."""
+    return Path(build_tiny_model(ModelConfig(seed=3), str(tmp_path_factory.mktemp("user") / "ckpt")))
+
+
+def user_copy(checkpoint: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(checkpoint, tmp_path / "user"))
+
+
+def test_without_a_path_the_tiny_model_is_built_and_recorded(tmp_path):
+    record = fetch_base(ModelConfig(), tmp_path / "base", no_download)
+    assert record == {"path": "tiny:qwen2:seed=0", "sha256": checkpoint_digest(tmp_path / "base")}
+    assert read_source(tmp_path / "base") == record
+    admit(tmp_path / "base", TrainConfig())
+
+
+def test_a_local_directory_is_copied_with_its_digest(checkpoint, tmp_path):
+    record = fetch_base(ModelConfig(path=str(checkpoint)), tmp_path / "base", no_download)
+    assert record == {"path": str(checkpoint), "sha256": checkpoint_digest(checkpoint)}
+    assert sorted(p.name for p in (tmp_path / "base").iterdir()) == sorted([*(p.name for p in checkpoint.iterdir()), "source.json"])
+    assert not (tmp_path / "base" / "model.safetensors").samefile(checkpoint / "model.safetensors")  # the user's files stay theirs
+    admit(tmp_path / "base", MEGATRON_TP2)
+
+
+def test_an_object_store_uri_is_downloaded_through_the_file_access(checkpoint, tmp_path):
+    """flytekit's own file access (fsspec) on a file:// URI: the same call reads s3:// or gs:// on a cluster."""
+    access = FileAccessProvider(local_sandbox_dir=str(tmp_path / "sandbox"), raw_output_prefix=str(tmp_path / "raw"))
+    uri = f"file://{checkpoint}"
+    record = fetch_base(ModelConfig(path=uri), tmp_path / "base", lambda remote, local: access.get_data(remote, local, is_multipart=True))
+    assert record == {"path": uri, "sha256": checkpoint_digest(checkpoint)}
+
+
+def test_a_missing_directory_names_the_key(tmp_path):
+    with pytest.raises(CheckpointError, match=r"model.path: .*nowhere is no directory here .*object-store URI"):
+        fetch_base(ModelConfig(path=str(tmp_path / "nowhere")), tmp_path / "base", no_download)
+    assert not (tmp_path / "base").exists()  # nothing half-made left behind
+
+
+def test_unknown_schemes_are_refused_at_load():
+    with pytest.raises(ConfigError, match=r"model.path: unknown scheme in 'hf://Qwen/Qwen3-8B'"):
+        ModelConfig(path="hf://Qwen/Qwen3-8B")
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "model.safetensors").unlink(), r"no model.safetensors"),
+        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]), r"model.safetensors: not a whole safetensors file"),
+        (lambda d: [(d / n).unlink() for n in ("tokenizer.json",)], r"no tokenizer \(tokenizer.json"),
+        (lambda d: (d / "config.json").write_text("{"), r"config.json: not JSON"),
+    ],
+    ids=["missing weights", "truncated weights", "missing tokenizer", "corrupt config"],
+)
+def test_a_broken_checkpoint_is_refused_naming_the_file(checkpoint, tmp_path, damage, message):
+    user = user_copy(checkpoint, tmp_path)
+    damage(user)
+    with pytest.raises(CheckpointError, match=message):
+        admit(user, TrainConfig())
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(checkpoint, tmp_path):
+    """Another model's tokenizer saved over this one's: its ids run past the embedding's rows."""
+    from transformers import AutoTokenizer
+
+    user = user_copy(checkpoint, tmp_path)
+    rows = json.loads((user / "config.json").read_text())["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(user)
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(rows + 1 - len(tokenizer))])
+    tokenizer.save_pretrained(user)
+    with pytest.raises(CheckpointError, match=rf"config.json: key vocab_size: {rows} embedding rows, but the tokenizer has {rows + 1} tokens"):
+        admit(user, TrainConfig())
+
+
+def test_an_architecture_megatron_cannot_train_is_refused_for_megatron_only(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from miles_core.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    admit(tmp_path, TrainConfig())  # the torch backend trains what transformers builds
+    with pytest.raises(CheckpointError, match=r"config.json: model_type 'gpt2' is not supported by the megatron conversion .*train.backend: megatron"):
+        admit(tmp_path, MEGATRON_TP2)
+
+
+def test_parallel_sizes_are_checked_against_the_checkpoints_shape(checkpoint):
+    three = TrainConfig(backend="megatron", tensor_parallel=3, nproc_per_node=3)
+    with pytest.raises(ConfigError, match=r"train.tensor_parallel: must divide .*config.json: num_heads \(4\): megatron splits it over 3 ranks"):
+        admit(checkpoint, three)
