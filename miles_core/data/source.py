@@ -1,6 +1,8 @@
 """Prompt data: loading jsonl/parquet prompt files and a resumable, shuffled prompt stream.
 
-A prompt file holds one row per prompt with an input (the user turn), a label (what the reward
+A prompt file holds one row per prompt with an input (the user turn as text, or a list of chat
+messages `{"role": system|user|assistant|tool, "content": text}` ending on a user or tool turn,
+rendered with the model's own chat template), a label (what the reward
 function checks against) and optional metadata (a dict handed to the reward function).  Every
 row is checked on load and the first bad one fails with a `DataError` naming the file, the
 1-based row (the line number for jsonl), the key and the reason, before any rollout starts.
@@ -33,7 +35,7 @@ class DataError(ValueError):
 @dataclass(frozen=True)
 class Prompt:
     id: str
-    text: str
+    text: str | list[dict]  # the user turn, or chat messages rendered with the model's chat template
     label: str
     metadata: dict = field(default_factory=dict)
 
@@ -153,6 +155,32 @@ def _label_text(value, where: str) -> str:
     raise DataError(f"{where}: label must be a string or a number, got {kind}")
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _input(value, where: str) -> str | list[dict]:
+    """The prompt: a non-empty text (the user turn), or chat messages ({"role", "content"}) that end on a user or tool turn."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: input must be a non-empty string or a list of chat messages, got {_short(value)}")
+        _check_text(value, where)
+        return value
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: input must be a non-empty string or a list of chat messages, got {_short(value)}")
+    for number, message in enumerate(value):
+        at = f"{where}: message {number}"
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise DataError(f"{at}: expected an object with exactly the keys role and content, got {_short(message)}")
+        if message["role"] not in CHAT_ROLES:
+            raise DataError(f"{at}: key 'role': must be one of {', '.join(CHAT_ROLES)}, got {_short(message['role'])}")
+        if not isinstance(message["content"], str):
+            raise DataError(f"{at}: key 'content': must be a string, got {_short(message['content'])}")
+        _check_text(message["content"], f"{at}: key 'content'")
+    if value[-1]["role"] not in ("user", "tool"):
+        raise DataError(f"{where}: the last message must be a user or tool turn (the policy answers it), got {value[-1]['role']!r}")
+    return value
+
+
 def _parse_row(path: Path, number: int, row, keys: tuple[str, str, str]) -> Prompt:
     input_key, label_key, metadata_key = keys
     where = f"{path}: row {number}"
@@ -161,10 +189,7 @@ def _parse_row(path: Path, number: int, row, keys: tuple[str, str, str]) -> Prom
     for key, what in ((input_key, "input"), (label_key, "label")):
         if key not in row:
             raise DataError(f"{where}: key {key!r}: missing {what} key (keys: {_short(sorted(row))})")
-    text = row[input_key]
-    if not isinstance(text, str) or not text.strip():
-        raise DataError(f"{where}: key {input_key!r}: input must be a non-empty string, got {_short(text)}")
-    _check_text(text, f"{where}: key {input_key!r}")
+    text = _input(row[input_key], f"{where}: key {input_key!r}")
     label = _label_text(row[label_key], f"{where}: key {label_key!r}")
     metadata = row.get(metadata_key)
     metadata = {} if metadata is None else metadata

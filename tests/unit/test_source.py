@@ -37,6 +37,20 @@ def test_load_jsonl(tmp_path):
     assert [p.label for p in prompts[2:]] == ["2", "2.5"]
 
 
+def test_chat_message_prompts_load_from_jsonl_and_parquet_and_render_with_the_template(tmp_path):
+    from miles_core.chat import prompt_tokens
+    from miles_core.models.tiny import build_tokenizer
+
+    messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "1+2="}]
+    jsonl = write_lines(tmp_path / "chat.jsonl", [json.dumps({"input": messages, "label": "3"})])
+    pq.write_table(pa.table({"input": [messages], "label": ["3"]}), tmp_path / "chat.parquet")
+    (from_jsonl,), (from_parquet,) = load_prompts(jsonl), load_prompts(tmp_path / "chat.parquet")
+    assert from_jsonl.text == from_parquet.text == messages
+    tokenizer = build_tokenizer()
+    rendered = tokenizer.decode(prompt_tokens(tokenizer, from_jsonl.text))
+    assert rendered == "<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_load_parquet_with_custom_keys(tmp_path):
     path = tmp_path / "p.parquet"
     table = pa.table({"q": ["1+1=", "3+4="], "a": ["2", "7"], "m": [{"id": "x"}, {"id": "y"}]})
