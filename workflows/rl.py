@@ -30,6 +30,11 @@ class LoopResult(NamedTuple):
     evaluation: dict[str, float]
 
 
+def evaluated(cfg: RunConfig, policy, dataset, code):
+    """The held-out evaluation node of a policy version (the sections it reads taken from the run's config)."""
+    return evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset, code=code)
+
+
 @dynamic(container_image=cpu_image)
 def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> LoopResult:
     """N iterations, sync or in async phases (async_phase.schedule); returns the final policy and its held-out evaluation."""
@@ -59,11 +64,7 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
                 root=root,
                 code=code["async"],
             )
-            evaluation = (
-                evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=phase.policy, dataset=dataset, code=code["evaluate"])
-                if due
-                else {}
-            )
+            evaluation = evaluated(cfg, phase.policy, dataset, code["evaluate"]) if due else {}
             log_phase(run=run, first_iteration=it, phase=phase, evaluation=evaluation)
             ckpt, policy, state, buffer = phase.ckpt, phase.policy, phase.state, phase.buffer
             continue
@@ -94,11 +95,7 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
             code=code["train"],
         ).with_overrides(**train_overrides(cfg.train))
         policy = publish(cfg=cfg.publish, train_cfg=cfg.train, ckpt=trained.ckpt, parent=policy, root=root)
-        evaluation = (
-            evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset, code=code["evaluate"])
-            if due
-            else {}
-        )
+        evaluation = evaluated(cfg, policy, dataset, code["evaluate"]) if due else {}
         log_iteration(run=run, iteration=it, rollout=batch.metrics, score=scored.metrics, train=trained.metrics, evaluation=evaluation, policy=policy)
         ckpt, state, buffer = trained.ckpt, batch.state, batch.buffer
     return policy, evaluation
@@ -109,9 +106,7 @@ def rl(cfg: RunConfig = RunConfig()) -> Report:  # noqa: B008 (the workflow's de
     base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
-    before = evaluate(
-        cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=start, dataset=dataset, code=stage_code(cfg=cfg, stage="evaluate")
-    )
+    before = evaluated(cfg, start, dataset, stage_code(cfg=cfg, stage="evaluate"))
     run = start_run(cfg=cfg, dataset=dataset, base=base, start=start, evaluation=before)
     final = rl_loop(cfg=cfg, start=start, dataset=dataset, run=run)
     return finish_run(run=run, before=before, after=final.evaluation, policy=final.policy, root=cfg.run_root)
