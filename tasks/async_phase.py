@@ -2,16 +2,13 @@
 
 On a cluster `RayJobConfig` asks KubeRay for a head and two worker groups: `rollout` (the
 rollout actors' engines) and `trainer` (the policy and its optimizer); locally the Ray plugin
-starts Ray in this process. The outputs are written under the run root like every other task's
-(checkpoint in the trainer backend's format, published policy, consumed batches, unconsumed buffer,
-data state), so sync iterations and further phases can follow, and the task is cached: a phase
+starts Ray in this process. The outputs (miles_core/phase_outputs.py) are written under the run root
+like every other task's, so sync iterations and further phases can follow, and the task is cached: a phase
 killed at any moment re-runs from its inputs, the previous phase's outputs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from typing import Optional
 
 from flytekit import Resources, task
@@ -19,12 +16,13 @@ from flytekit.types.file import FlyteFile
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
 from containers.images import cpu_image
-from miles_core.async_loop import PhaseSpec, run_phase
+from miles_core.async_loop import PhaseSpec
 from miles_core.config import AlgoConfig, AsyncConfig, DataConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, load_prompts
 from miles_core.models import vocab_size
+from miles_core.phase_outputs import run_phase_into
 from miles_core.plugins import plugin
-from miles_core.schemas import read_batch, write_batch
+from miles_core.schemas import read_batch
 from miles_core.storage import artifact_path, atomic_dir
 from tasks.common import AsyncPhaseResult, Checkpoint, Dataset, Policy, cache_version, lasting_dir, lasting_file
 
@@ -105,21 +103,8 @@ def async_phase(
         code,
     )
     with atomic_dir(out) as tmp:
-        result = run_phase(spec, str(tmp / "checkpoint"), str(tmp / "policy"), publish_cfg.dtype)
-        for i, batch in enumerate(result.consumed):
-            write_batch(batch, tmp / "batches" / f"step-{first_iteration + i:04d}.parquet", **batches)
-        if result.buffer:
-            write_batch([s for g in result.buffer for s in g], tmp / "buffer.parquet", **batches)
-        version = policy.version + steps
-        ledger = {
-            "state_before": dataclasses.asdict(state),
-            "state_after": dataclasses.asdict(result.state),
-            "dropped": result.dropped,
-            "filtered": result.filtered,
-            "weight_versions": [version - steps, version],
-            "metrics": result.metrics,
-        }
-        (tmp / "ledger.json").write_text(json.dumps(ledger, indent=1))  # where every drawn prompt ended, readable without Flyte
+        result = run_phase_into(spec, tmp, publish_cfg.dtype, batches)
+    version = policy.version + steps
     print(
         f"async phase: steps {first_iteration + 1}-{first_iteration + steps}, {result.metrics['async/samples_per_s']:.1f} samples/s, "
         f"staleness mean {result.metrics['async/phase_staleness_mean']:.2f}, policy v{version}"
