@@ -7,6 +7,7 @@ sha256 of its weights, which the tracking step logs as the version's lineage.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -14,13 +15,39 @@ from pathlib import Path
 from miles_core.storage import atomic_dir, sha256_file
 from miles_core.weights.check import CheckpointError, json_object
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# What a checkpoint holds beside its weights that every version after it keeps: the tokenizer in any
+# of its formats (fast, sentencepiece, BPE vocab + merges, tiktoken), its chat template, the generation config.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tiktoken.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
     for name in TOKENIZER_FILES:
-        if (Path(src) / name).exists():
+        if (Path(src) / name).is_file():
             shutil.copy2(Path(src) / name, Path(dst) / name)
+
+
+def weights_sha256(policy_dir: str | Path) -> str:
+    """sha256 of the weights: of model.safetensors's bytes, or for a sharded checkpoint of its shards' sha256s in name order."""
+    files = sorted(Path(policy_dir).glob("*.safetensors"))
+    if len(files) == 1:
+        return sha256_file(files[0])
+    h = hashlib.sha256()
+    for file in files:
+        h.update(bytes.fromhex(sha256_file(file)))
+    return h.hexdigest()
 
 
 def write_manifest(policy_dir: str | Path, version: int, parent_version: int | None, source: str) -> dict:
@@ -28,7 +55,7 @@ def write_manifest(policy_dir: str | Path, version: int, parent_version: int | N
         "version": version,
         "parent_version": parent_version,
         "source": source,
-        "weights_sha256": sha256_file(Path(policy_dir) / "model.safetensors"),
+        "weights_sha256": weights_sha256(policy_dir),
     }
     (Path(policy_dir) / "policy.json").write_text(json.dumps(manifest, indent=2))
     return manifest

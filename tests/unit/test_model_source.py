@@ -110,3 +110,28 @@ def test_parallel_sizes_are_checked_against_the_checkpoints_shape(checkpoint):
     three = TrainConfig(backend="megatron", tensor_parallel=3, nproc_per_node=3)
     with pytest.raises(ConfigError, match=r"train.tensor_parallel: must divide .*config.json: num_heads \(4\): megatron splits it over 3 ranks"):
         admit(checkpoint, three)
+
+
+def test_published_versions_keep_every_tokenizer_file_and_digest_sharded_weights(checkpoint, tmp_path):
+    """A real checkpoint's tokenizer may be BPE vocab + merges or sentencepiece, beside a generation config;
+    its weights may be sharded. Every such file travels on, and the manifest's digest covers every shard."""
+    from transformers import AutoModelForCausalLM
+
+    from miles_core.storage import sha256_file
+    from miles_core.weights.publish import copy_tokenizer, weights_sha256
+
+    user = user_copy(checkpoint, tmp_path)
+    (user / "merges.txt").write_text("#version: 0.2\n")
+    (user / "vocab.json").write_text("{}")
+    (tmp_path / "next").mkdir()
+    copy_tokenizer(user, tmp_path / "next")
+    assert {"merges.txt", "vocab.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in (tmp_path / "next").iterdir()}
+    assert weights_sha256(user) == sha256_file(user / "model.safetensors")
+
+    AutoModelForCausalLM.from_pretrained(user).save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    shards = sorted((tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 1
+    digest = weights_sha256(tmp_path / "sharded")
+    data = shards[-1].read_bytes()
+    shards[-1].write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit of one shard
+    assert weights_sha256(tmp_path / "sharded") != digest
