@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 PYFLYTE = Path(sys.executable).parent / "pyflyte"
 
 
-def workflow_command(recipe: str, root: Path, *overrides: str) -> list[str]:
+def workflow_command(recipe: str, root: Path, *overrides: str, workflow: tuple[str, str] = ("workflows/rl.py", "rl")) -> list[str]:
     cfg = subprocess.run(
         [sys.executable, "-m", "miles_core.config", recipe, f"run_root={root}", *overrides],
         cwd=REPO,
@@ -20,7 +20,7 @@ def workflow_command(recipe: str, root: Path, *overrides: str) -> list[str]:
         text=True,
         check=True,
     ).stdout
-    return [str(PYFLYTE), "run", "workflows/rl.py", "rl", "--cfg", cfg]
+    return [str(PYFLYTE), "run", *workflow, "--cfg", cfg]
 
 
 def workflow_env(home: Path) -> dict:
@@ -33,8 +33,10 @@ def extends(target: Path, recipe: Path) -> str:
     return os.path.relpath(target, recipe.parent)
 
 
-def run_workflow(recipe: str, root: Path, home: Path, *overrides: str) -> subprocess.CompletedProcess:
-    out = subprocess.run(workflow_command(recipe, root, *overrides), cwd=REPO, env=workflow_env(home), capture_output=True, text=True, timeout=900)
+def run_workflow(recipe: str, root: Path, home: Path, *overrides: str, workflow: tuple[str, str] = ("workflows/rl.py", "rl")) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        workflow_command(recipe, root, *overrides, workflow=workflow), cwd=REPO, env=workflow_env(home), capture_output=True, text=True, timeout=900
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return out
 
