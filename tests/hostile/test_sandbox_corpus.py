@@ -191,7 +191,7 @@ CORPUS = [
     Hostile(
         "memory across processes",
         "pass the per-process limit with many processes",
-        "import time\nfor _ in range(4):\n    if os.fork() == 0:\n        b = bytearray(200 << 20)\n        b[::4096] = b'1' * len(b[::4096])\n        time.sleep(3)\n        os._exit(0)\n"
+        "import time\nfor _ in range(4):\n    if os.fork() == 0:\n        b = bytearray(200 << 20)\n        b[::4096] = b'1' * len(b[::4096])\n        time.sleep(1)\n        os._exit(0)\n"
         "print('EXITS', [os.wait()[1] for _ in range(4)])",
         ("memory_limit",),
         "",
