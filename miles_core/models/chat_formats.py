@@ -46,8 +46,28 @@ def _t(text: str) -> str:
 
 
 CONTENT = "{{ m['content'] }}"
-PREV_IS = "loop.previtem is defined and loop.previtem['role'] == "
-NEXT_IS = "loop.nextitem is defined and loop.nextitem['role'] == "
+ROLE = "{{ m['role'] }}"
+
+
+def _when(condition: str, then: str, otherwise: str = "") -> str:
+    return "{% if " + condition + " %}" + then + ("{% else %}" + otherwise if otherwise else "") + "{% endif %}"
+
+
+def _after(*roles: str) -> str:
+    """The message before this one has one of `roles`."""
+    return f"(loop.previtem is defined and loop.previtem['role'] in {roles!r})"
+
+
+def _before(role: str) -> str:
+    """The message after this one has `role`."""
+    return f"(loop.nextitem is defined and loop.nextitem['role'] == {role!r})"
+
+
+def _template(by_role: dict[str, str], other: str, generation_prompt: str, head: str = "") -> str:
+    """`head`, then each message rendered by its role (`other` for the rest), then the generation prompt when asked."""
+    cases = "".join(("{% if " if i == 0 else "{% elif ") + f"m['role'] == {role!r} %}}" + text for i, (role, text) in enumerate(by_role.items()))
+    message = cases + "{% else %}" + other + "{% endif %}" if by_role else other
+    return head + "{% for m in messages %}" + message + "{% endfor %}" + _when("add_generation_prompt", generation_prompt)
 
 
 # Qwen2/Qwen3 ChatML without an implicit default system turn (the prompts carry none); the tool
@@ -69,35 +89,12 @@ CHATML = ChatFormat(
 def _qwen(think: str, always_system: bool, tool_tail: str) -> str:
     """ChatML as Qwen3 renders tools: consecutive tool outputs share one user turn, each in
     <tool_response> tags.  `think` opens every assistant turn (the non-thinking mode's empty block)."""
-    system = "{% if messages[0]['role'] != 'system' %}" + _t("<|im_start|>system\n<|im_end|>\n") + "{% endif %}" if always_system else ""
-    return (
-        system + "{% for m in messages %}{% if m['role'] == 'tool' %}"
-        "{% if not ("
-        + PREV_IS
-        + "'tool') %}"
-        + _t("<|im_start|>user")
-        + "{% endif %}"
-        + _t("\n<tool_response>\n")
-        + CONTENT
-        + _t(tool_tail)
-        + "{% if not ("
-        + NEXT_IS
-        + "'tool') %}"
-        + _t("<|im_end|>\n")
-        + "{% endif %}"
-        "{% elif m['role'] == 'assistant' %}"
-        + _t("<|im_start|>assistant\n" + think)
-        + CONTENT
-        + _t("<|im_end|>\n")
-        + "{% else %}"
-        + _t("<|im_start|>")
-        + "{{ m['role'] }}"
-        + _t("\n")
-        + CONTENT
-        + _t("<|im_end|>\n")
-        + "{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}" + _t("<|im_start|>assistant\n" + think) + "{% endif %}"
-    )
+    tool = _when(f"not {_after('tool')}", _t("<|im_start|>user")) + _t("\n<tool_response>\n") + CONTENT + _t(tool_tail)
+    tool += _when(f"not {_before('tool')}", _t("<|im_end|>\n"))
+    answer = _t("<|im_start|>assistant\n" + think)
+    system = _when("messages[0]['role'] != 'system'", _t("<|im_start|>system\n<|im_end|>\n")) if always_system else ""
+    other = _t("<|im_start|>") + ROLE + _t("\n") + CONTENT + _t("<|im_end|>\n")
+    return _template({"tool": tool, "assistant": answer + CONTENT + _t("<|im_end|>\n")}, other, answer, head=system)
 
 
 _QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -114,38 +111,18 @@ NEMOTRON_H = ChatFormat(
 )
 
 
-def _deepseek(assistant_open: str, tools_open: str, tool_open: str, tool_close: str, tools_close: str) -> str:
+def _deepseek(answer: str, tools_open: str, tool_open: str, tool_close: str, tools_close: str) -> str:
     """DeepSeek: BOS, the system prompt as plain text, then `<｜User｜>`/`<｜Assistant｜>` turns, each answer ended
     by `<｜end▁of▁sentence｜>`; tool outputs follow that end directly and the model continues after them
     without a new assistant marker."""
-    return (
-        _t("<｜begin▁of▁sentence｜>") + "{% for m in messages if m['role'] == 'system' %}" + CONTENT + "{% endfor %}"
-        "{% for m in messages %}{% if m['role'] == 'user' %}"
-        + _t("<｜User｜>")
-        + CONTENT
-        + "{% elif m['role'] == 'assistant' %}{% if not ("
-        + PREV_IS
-        + "'tool') %}"
-        + _t(assistant_open)
-        + "{% endif %}"
-        + CONTENT
-        + _t("<｜end▁of▁sentence｜>")
-        + "{% elif m['role'] == 'tool' %}{% if not ("
-        + PREV_IS
-        + "'tool') %}"
-        + _t(tools_open)
-        + "{% endif %}"
-        + _t(tool_open)
-        + CONTENT
-        + _t(tool_close)
-        + "{% if not ("
-        + NEXT_IS
-        + "'tool') %}"
-        + _t(tools_close)
-        + "{% endif %}"
-        "{% endif %}{% endfor %}"
-        "{% if add_generation_prompt and messages[-1]['role'] != 'tool' %}" + _t(assistant_open) + "{% endif %}"
-    )
+    system = _t("<｜begin▁of▁sentence｜>") + "{% for m in messages if m['role'] == 'system' %}" + CONTENT + "{% endfor %}"
+    tool = _when(f"not {_after('tool')}", _t(tools_open)) + _t(tool_open) + CONTENT + _t(tool_close) + _when(f"not {_before('tool')}", _t(tools_close))
+    cases = {
+        "user": _t("<｜User｜>") + CONTENT,
+        "assistant": _when(f"not {_after('tool')}", _t(answer)) + CONTENT + _t("<｜end▁of▁sentence｜>"),
+        "tool": tool,
+    }
+    return _template(cases, "", _when("messages[-1]['role'] != 'tool'", _t(answer)), head=system)
 
 
 _DEEPSEEK_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
@@ -174,32 +151,23 @@ DEEPSEEK_V3_1 = ChatFormat(
 # Kimi K2 / K2.5 (moonshotai/Kimi-K2-Instruct chat template; K2.5 instant mode closes an empty think block):
 # a default system turn, `<|im_user|>user<|im_middle|>...<|im_end|>`, tool outputs as a `tool` system turn.
 _KIMI_ANSWER = "<|im_assistant|>assistant<|im_middle|><think></think>"
+_KIMI_SYSTEM = _when("messages[0]['role'] != 'system'", _t("<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"))
+_KIMI_TOOL = _t("<|im_system|>tool<|im_middle|>## Return of ") + "{{ m.get('tool_call_id') or 'tool' }}" + _t("\n")
 KIMI_K25 = ChatFormat(
     "kimi_k25",
     ("[BOS]", "[EOS]", "[PAD]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<think>", "</think>")
     + ("<|media_start|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "<|video_pad|>"),
     "[PAD]",
     "<|im_end|>",
-    "{% if messages[0]['role'] != 'system' %}"
-    + _t("<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>")
-    + "{% endif %}{% for m in messages %}{% if m['role'] == 'user' %}"
-    + _t("<|im_user|>user<|im_middle|>")
-    + "{% elif m['role'] == 'assistant' %}"
-    + _t(_KIMI_ANSWER)
-    + "{% elif m['role'] == 'tool' %}"
-    + _t("<|im_system|>tool<|im_middle|>## Return of ")
-    + "{{ m.get('tool_call_id') or 'tool' }}"
-    + _t("\n")
-    + "{% else %}"
-    + _t("<|im_system|>")
-    + "{{ m['role'] }}"
-    + _t("<|im_middle|>")
-    + "{% endif %}"
-    + CONTENT
-    + _t("<|im_end|>")
-    + "{% endfor %}{% if add_generation_prompt %}"
-    + _t(_KIMI_ANSWER)
-    + "{% endif %}",
+    _template(
+        {
+            role: opening + CONTENT + _t("<|im_end|>")
+            for role, opening in (("user", _t("<|im_user|>user<|im_middle|>")), ("assistant", _t(_KIMI_ANSWER)), ("tool", _KIMI_TOOL))
+        },
+        _t("<|im_system|>") + ROLE + _t("<|im_middle|>") + CONTENT + _t("<|im_end|>"),
+        _t(_KIMI_ANSWER),
+        head=_KIMI_SYSTEM,
+    ),
     bos="[BOS]",
 )
 
@@ -207,43 +175,15 @@ KIMI_K25 = ChatFormat(
 def _glm(newline: str, think: str) -> str:
     """GLM: `[gMASK]<sop>`, role markers and no end-of-turn token; consecutive tool outputs share one
     `<|observation|>`.  The marker that ends an assistant turn is rendered with it (module docstring)."""
-    return (
-        _t("[gMASK]<sop>")
-        + "{% for m in messages %}{% if m['role'] == 'assistant' %}"
-        + _t("<|assistant|>" + think)
+    cases = {
+        "assistant": _t("<|assistant|>" + think) + CONTENT + _when(_before("tool"), _t("<|observation|>"), _t("<|user|>")),
+        "tool": _when(f"not {_after('tool', 'assistant')}", _t("<|observation|>"))
+        + _t(f"{newline}<tool_response>{newline}")
         + CONTENT
-        + "{% if "
-        + NEXT_IS
-        + "'tool' %}"
-        + _t("<|observation|>")
-        + "{% else %}"
-        + _t("<|user|>")
-        + "{% endif %}"
-        "{% elif m['role'] == 'tool' %}{% if not ("
-        + PREV_IS
-        + "'tool' or "
-        + PREV_IS
-        + "'assistant') %}"
-        + _t("<|observation|>")
-        + "{% endif %}"
-        + _t(newline + "<tool_response>" + newline)
-        + CONTENT
-        + _t(newline + "</tool_response>")
-        + "{% elif m['role'] == 'user' %}{% if not ("
-        + PREV_IS
-        + "'assistant') %}"
-        + _t("<|user|>")
-        + "{% endif %}"
-        + _t(newline)
-        + CONTENT
-        + "{% else %}"
-        + _t("<|")
-        + "{{ m['role'] }}"
-        + _t("|>" + newline)
-        + CONTENT
-        + "{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}" + _t("<|assistant|>" + think) + "{% endif %}"
-    )
+        + _t(f"{newline}</tool_response>"),
+        "user": _when(f"not {_after('assistant')}", _t("<|user|>")) + _t(newline) + CONTENT,
+    }
+    return _template(cases, _t("<|") + ROLE + _t("|>" + newline) + CONTENT, _t("<|assistant|>" + think), head=_t("[gMASK]<sop>"))
 
 
 _GLM_TOKENS = ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>")
@@ -257,81 +197,49 @@ GLM5 = ChatFormat("glm5", _GLM_TOKENS + _GLM_VISION, "<|endoftext|>", "<|user|>"
 
 # Llama 4 (meta-llama/Llama-4-Scout-17B-16E-Instruct chat template): `<|header_start|>ROLE<|header_end|>\n\n...<|eot|>`,
 # tool outputs under the `ipython` role.
+_LLAMA4_TURN = _t("<|header_start|>") + "{{ 'ipython' if m['role'] == 'tool' else m['role'] }}" + _t("<|header_end|>\n\n") + CONTENT + _t("<|eot|>")
 LLAMA4 = ChatFormat(
     "llama4",
     ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>")
     + ("<|python_start|>", "<|python_end|>", "<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>"),
     "<|finetune_right_pad|>",
     "<|eot|>",
-    _t("<|begin_of_text|>")
-    + "{% for m in messages %}"
-    + _t("<|header_start|>")
-    + "{{ 'ipython' if m['role'] == 'tool' else m['role'] }}"
-    + _t("<|header_end|>\n\n")
-    + CONTENT
-    + _t("<|eot|>")
-    + "{% endfor %}"
-    "{% if add_generation_prompt %}" + _t("<|header_start|>assistant<|header_end|>\n\n") + "{% endif %}",
+    _template({}, _LLAMA4_TURN, _t("<|header_start|>assistant<|header_end|>\n\n"), head=_t("<|begin_of_text|>")),
     bos="<|begin_of_text|>",
 )
 
 # gpt-oss harmony (openai/harmony, "OpenAI Harmony Response Format"): `<|start|>ROLE<|message|>...<|end|>`, the
 # answer in the final channel ended by `<|return|>`, a tool call by `<|call|>`, a tool's output from `functions.NAME`.
-_FINAL = "<|start|>assistant<|channel|>final<|message|>"
+_FINAL = _t("<|start|>assistant<|channel|>final<|message|>")
 HARMONY = ChatFormat(
     "harmony",
     ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"),
     "<|endoftext|>",
     "<|return|>",
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
-    + _t(_FINAL)
-    + CONTENT
-    + "{% if "
-    + NEXT_IS
-    + "'tool' %}"
-    + _t("<|call|>")
-    + "{% else %}"
-    + _t("<|return|>")
-    + "{% endif %}"
-    "{% elif m['role'] == 'tool' %}"
-    + _t("<|start|>functions.")
-    + "{{ m.get('name') or 'tool' }}"
-    + _t(" to=assistant<|channel|>commentary<|message|>")
-    + CONTENT
-    + _t("<|end|>")
-    + "{% else %}"
-    + _t("<|start|>")
-    + "{{ m['role'] }}"
-    + _t("<|message|>")
-    + CONTENT
-    + _t("<|end|>")
-    + "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}" + _t(_FINAL) + "{% endif %}",
+    _template(
+        {
+            "assistant": _FINAL + CONTENT + _when(_before("tool"), _t("<|call|>"), _t("<|return|>")),
+            "tool": _t("<|start|>functions.") + "{{ m.get('name') or 'tool' }}" + _t(" to=assistant<|channel|>commentary<|message|>") + CONTENT + _t("<|end|>"),
+        },
+        _t("<|start|>") + ROLE + _t("<|message|>") + CONTENT + _t("<|end|>"),
+        _FINAL,
+    ),
     tool_call_end="<|call|>",
 )
 
 # MiniMax-M2 (MiniMaxAI/MiniMax-M2 chat template): `]~!b[` then `]~b]ROLE\n...[e~[\n` turns, the assistant role named `ai`,
 # consecutive tool outputs in one `tool` turn as <response> elements.  M2 always opens a think block; not here.
+_M2_TOOL = _when(f"not {_after('tool')}", _t("]~b]tool")) + _t("\n<response>") + CONTENT + _t("</response>") + _when(f"not {_before('tool')}", _t("[e~[\n"))
 MINIMAX_M2 = ChatFormat(
     "minimax_m2",
     ("]~!b[", "]~b]", "[e~[", "]!d~[", "]!p~[", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"),
     "]!p~[",
     "[e~[",
-    _t("]~!b[")
-    + "{% for m in messages %}{% if m['role'] == 'tool' %}{% if not ("
-    + PREV_IS
-    + "'tool') %}"
-    + _t("]~b]tool")
-    + "{% endif %}"
-    + _t("\n<response>")
-    + CONTENT
-    + _t("</response>")
-    + "{% if not ("
-    + NEXT_IS
-    + "'tool') %}"
-    + _t("[e~[\n")
-    + "{% endif %}"
-    "{% else %}" + _t("]~b]") + "{{ 'ai' if m['role'] == 'assistant' else m['role'] }}" + _t("\n") + CONTENT + _t("[e~[\n") + "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}" + _t("]~b]ai\n") + "{% endif %}",
+    _template(
+        {"tool": _M2_TOOL},
+        _t("]~b]") + "{{ 'ai' if m['role'] == 'assistant' else m['role'] }}" + _t("\n") + CONTENT + _t("[e~[\n"),
+        _t("]~b]ai\n"),
+        head=_t("]~!b["),
+    ),
     bos="]~!b[",
 )
