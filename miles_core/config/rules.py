@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from miles_core.config.base import ConfigError
+from miles_core.config.model import DENSE_ARCHS
 
 
 class Rule(NamedTuple):
@@ -96,8 +97,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "train.expert_parallel",
         lambda c: c.train.expert_parallel > 1 and not c.model.path,
-        lambda c: c.model.arch == "qwen3_moe",
-        lambda c: f"expert parallelism splits MoE experts, and model.arch {c.model.arch!r} has none: use 1 or arch qwen3_moe",
+        lambda c: c.model.arch not in DENSE_ARCHS,
+        lambda c: f"expert parallelism splits MoE experts, and model.arch {c.model.arch!r} has none: use 1 or an MoE arch (e.g. qwen3_moe)",
     ),
     Rule(
         "async_phase.queue_size",

@@ -3,13 +3,14 @@
 The tokenizer is a byte-level BPE trained with `tokenizers` on a fixed built-in corpus, so any
 text (ASCII or not) encodes without unknown tokens, and digits are always single tokens: an
 addition answer is then a sequence of per-digit choices, which is what the RL signal acts on.
-Special tokens and the chat template follow ChatML (as in Qwen2), so the same code paths work
-for real Qwen checkpoints.
+Special tokens and the chat template are the model family's (miles_core/models/chat_formats.py;
+ChatML, as in Qwen2, for the main recipes' qwen2/qwen3/llama/qwen3_moe), each family's special
+tokens taking the first ids, so the same code paths work for real checkpoints of that family.
 
-The model is a standard `Qwen2ForCausalLM` / `Qwen3ForCausalLM` initialised from `cfg.seed` and
-saved with `save_pretrained`, so every consumer (torch engine, SGLang, megatron conversion)
-loads it like any other HF checkpoint.  Building twice with the same config gives
-byte-identical `model.safetensors` and `tokenizer.json`.
+The model is the family's standard transformers class (miles_core/models/families.py; the full
+multimodal class for a vision-language family) initialised from `cfg.seed` and saved with
+`save_pretrained`, so every consumer (torch engine, SGLang, megatron conversion) loads it like any
+other HF checkpoint.  Building twice with the same config gives byte-identical files.
 """
 
 from __future__ import annotations
@@ -25,22 +26,15 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from miles_core.config import ModelConfig
+from miles_core.models.chat_formats import CHATML, ChatFormat
+from miles_core.models.families import FAMILIES, MAX_POSITIONS, hf_config
 from miles_core.storage import atomic_dir
 
-PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]  # ids 0, 1, 2
+PAD_TOKEN, IM_START, IM_END = CHATML.special_tokens  # ids 0, 1, 2 of the ChatML tokenizer
+SPECIAL_TOKENS = list(CHATML.special_tokens)
 VOCAB_SIZE = 320  # 3 special + 256 bytes + merges learnt from the corpus (fewer if it runs out)
-MAX_POSITIONS = 512
-
-# Qwen2's ChatML template without its implicit default system turn (the prompts carry none).
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = CHATML.template
+__all__ = ["CHAT_TEMPLATE", "IM_END", "IM_START", "MAX_POSITIONS", "PAD_TOKEN", "SPECIAL_TOKENS", "VOCAB_SIZE", "build_tiny_model", "build_tokenizer"]
 
 # Fixed training text: role names, a few English words and arithmetic in several spellings.
 # The byte alphabet already guarantees coverage; this only decides which merges are learnt.
@@ -60,8 +54,9 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """Train the byte-level BPE tokenizer on the built-in corpus and wrap it for transformers."""
+def build_tokenizer(chat: ChatFormat = CHATML) -> transformers.PreTrainedTokenizerFast:
+    """Train the byte-level BPE tokenizer on the built-in corpus with `chat`'s special tokens (ids 0..),
+    eos, pad and template, and wrap it for transformers.  Every family learns the same merges."""
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
     # Digits are isolated before merges are learnt, so no merge ever glues two digits together.
@@ -73,87 +68,45 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=VOCAB_SIZE + len(chat.special_tokens) - len(CHATML.special_tokens),
         min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(chat.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    roles = {"eos_token": chat.eos, "pad_token": chat.pad} | ({"bos_token": chat.bos} if chat.bos else {})
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        eos_token=IM_END,
-        pad_token=PAD_TOKEN,
-        additional_special_tokens=[IM_START],
-        chat_template=CHAT_TEMPLATE,
+        **roles,
+        additional_special_tokens=[t for t in chat.special_tokens if t not in roles.values()],
+        chat_template=chat.template,
         padding_side="left",  # generation batches are left-padded so prompts end together
         model_max_length=MAX_POSITIONS,
         clean_up_tokenization_spaces=False,
     )
 
 
-def _model_config(cfg: ModelConfig, tokenizer) -> transformers.PretrainedConfig:
-    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    common = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "max_position_embeddings": MAX_POSITIONS,
-        "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "bos_token_id": pad_id,  # as in Qwen: <|endoftext|> doubles as bos, never prepended
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "dtype": "float32",
-    }
-    if cfg.arch == "qwen2":
-        return transformers.Qwen2Config(**common)
-    if cfg.arch in _MORE_ARCHS:
-        return _MORE_ARCHS[cfg.arch][0](cfg, common)
-    return transformers.Qwen3Config(head_dim=cfg.hidden_size // cfg.num_heads, **common)
-
-
-def _llama_config(cfg: ModelConfig, common: dict) -> transformers.PretrainedConfig:
-    # untied output layer: the architecture's usual choice, and the other half of the conversion tests
-    return transformers.LlamaConfig(head_dim=cfg.hidden_size // cfg.num_heads, **{**common, "tie_word_embeddings": False})
-
-
-def _qwen3_moe_config(cfg: ModelConfig, common: dict) -> transformers.PretrainedConfig:
-    return transformers.Qwen3MoeConfig(
-        head_dim=cfg.hidden_size // cfg.num_heads,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.moe_top_k,
-        moe_intermediate_size=cfg.moe_intermediate_size,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        **{**common, "tie_word_embeddings": False},
-    )
-
-
-# arch -> (config builder, model class) for the architectures beyond qwen2/qwen3
-_MORE_ARCHS = {
-    "llama": (_llama_config, transformers.LlamaForCausalLM),
-    "qwen3_moe": (_qwen3_moe_config, transformers.Qwen3MoeForCausalLM),
-}
+def token_ids(chat: ChatFormat, tokenizer) -> dict:
+    """Token roles (pad, eos, bos, tool_call_end) and every special token -> id, and the vocabulary size."""
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in chat.special_tokens}
+    roles = {"pad": chat.pad, "eos": chat.eos, "bos": chat.bos, "tool_call_end": chat.tool_call_end}
+    return ids | {role: ids[token] for role, token in roles.items() if token} | {"vocab": len(tokenizer)}
 
 
 def _init_model(cfg: ModelConfig, tokenizer) -> transformers.PreTrainedModel:
-    config = _model_config(cfg, tokenizer)
-    model_cls = transformers.Qwen2ForCausalLM if cfg.arch == "qwen2" else transformers.Qwen3ForCausalLM
-    model_cls = _MORE_ARCHS[cfg.arch][1] if cfg.arch in _MORE_ARCHS else model_cls
+    family = FAMILIES[cfg.arch]
+    config = hf_config(cfg, token_ids(family.chat, tokenizer))
+    model_cls = getattr(transformers, family.model_class)
     # Fork the RNG so seeding here does not disturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = model_cls(config).to(torch.float32)
+        model = model_cls(config).float()  # floating tensors only: Llama 4 keeps complex RoPE buffers
+    text = config.get_text_config(decoder=True)
     model.generation_config = transformers.GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        pad_token_id=text.pad_token_id,
     )
     return model
 
@@ -161,7 +114,7 @@ def _init_model(cfg: ModelConfig, tokenizer) -> transformers.PreTrainedModel:
 def build_tiny_model(cfg: ModelConfig, out_dir: str) -> str:
     """Build tokenizer + model from `cfg` and save them as an HF directory at `out_dir`
     (atomically: an existing `out_dir` is replaced only once the new one is complete)."""
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(FAMILIES[cfg.arch].chat)
     model = _init_model(cfg, tokenizer)
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)

@@ -8,7 +8,10 @@ If that turn holds a tool call, written as
     ARGUMENT</tool>
 
 (NAME one of rollout.multi_turn.tools; the first call of a turn counts), the tool runs and its
-output is appended as a tool turn (`chat.tool_turn_tokens`), then a new assistant turn opens; in ChatML:
+output is appended as a tool turn (`chat.tool_turn_tokens`), then a new assistant turn opens.  Where
+the template ends a tool-calling turn with a token of its own (`chat.tool_call_end`: GLM's
+`<|observation|>`, harmony's `<|call|>`), generation also stops there, and only a turn ended by it
+calls a tool: one ended by the end of turn token is the answer.  In ChatML:
 
     <|im_end|>  \\n<|im_start|>tool\\nOUTPUT<|im_end|>\\n<|im_start|>assistant\\n   (tool tokens)
 
@@ -33,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from miles_core.chat import prompt_tokens, tool_turn_tokens
+from miles_core.chat import end_of_turn, prompt_tokens, tool_call_end, tool_turn_tokens
 from miles_core.config import MultiTurnConfig, RolloutConfig
 from miles_core.data.source import Prompt
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, RolloutEngine, SamplingParams
@@ -136,11 +139,13 @@ def _tools_of(settings: MultiTurnConfig) -> list[str]:
 def _take_turn(active: list[Conversation], generations, tokenizer, settings: MultiTurnConfig, last_turn: bool) -> list[tuple[Conversation, tuple[str, str]]]:
     """Append each generated turn; returns the conversations whose turn called a tool."""
     calls = []
+    answer_end = end_of_turn(tokenizer) if tool_call_end(tokenizer) != end_of_turn(tokenizer) else None
     for conv, (g,) in zip(active, generations):
         kept = conv.add_model_turn(g, settings.max_response_tokens)
         if conv.done:
             continue
-        call = parse_tool_call(tokenizer.decode(kept, skip_special_tokens=True))
+        ended_as_answer = answer_end is not None and kept[-1:] == [answer_end]
+        call = None if ended_as_answer else parse_tool_call(tokenizer.decode(kept, skip_special_tokens=True))
         if call is None:
             conv.stop_reason = "answer"
         elif last_turn:
@@ -163,13 +168,14 @@ def generate(
     settings = rollout_cfg.multi_turn if rollout_cfg is not None else MultiTurnConfig()
     allowed, limits = _tools_of(settings), _limits(settings)
     convs = [Conversation(p, i, prompt_tokens(tokenizer, p.text)) for p in prompts for i in range(params.n)]
+    stops = tuple(dict.fromkeys((*params.stop_token_ids, tool_call_end(tokenizer))))  # the end of a tool-calling turn stops too
     tool_seconds = 0.0
     with ThreadPoolExecutor(settings.tool_workers) as pool:
         for turn in range(settings.max_turns):
             active = [c for c in convs if not c.done]
             if not active:
                 break
-            turn_params = dataclasses.replace(params, n=1, seed=params.seed + 104_729 * turn)
+            turn_params = dataclasses.replace(params, n=1, seed=params.seed + 104_729 * turn, stop_token_ids=stops)
             generations = engine.generate([c.prompt_tokens + c.tokens for c in active], turn_params)
             calls = _take_turn(active, generations, tokenizer, settings, last_turn=turn == settings.max_turns - 1)
             tool_started = time.perf_counter()

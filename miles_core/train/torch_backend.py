@@ -1,6 +1,7 @@
 """The torch trainer backend: the HF model itself, AdamW, micro-batches and gradient clipping.
 
-The embedded default: this module supplies the HF model's forward pass, the backward pass of a
+The embedded default: this module supplies the HF model's forward pass (the policy loaded by
+`miles_core.models.load_causal_lm`: any family, a multimodal checkpoint as its text model), the backward pass of a
 mini-batch in micro-batches and the clipped AdamW step; the mini-batch loop is `TrainerBase`'s.
 Under a multi-process launcher it is data parallel over gloo: every process holds the whole model,
 trains on its share of each mini-batch's rows, and the gradients are summed before the step (the
@@ -16,14 +17,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoModelForTokenClassification
 
 from miles_core.algos.kl import entropy_from_logits, token_logprobs
 from miles_core.config import TrainConfig
+from miles_core.models import load_causal_lm
 from miles_core.train.base import LossFn, PackedBatch, TrainerBase
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,25 +47,28 @@ def _rows_of(rank: int, world: int, n: int) -> slice:
 
 
 class TorchTrainer(TrainerBase):
-    auto_class = AutoModelForCausalLM
-    model_kwargs: ClassVar[dict] = {}
-
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, step: int = 0):
         join_process_group()
         self.model = model.float().train()
         self.cfg = cfg
         self.step = step
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # all but a frozen vision tower (load_causal_lm)
+        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+
+    @staticmethod
+    def load_model(path: str) -> torch.nn.Module:
+        """The policy of an HF directory (a multimodal checkpoint as its text model), in fp32."""
+        return load_causal_lm(path, torch.float32)
 
     @classmethod
     def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> TorchTrainer:
         torch.manual_seed(cfg.seed)
-        return cls(cls.auto_class.from_pretrained(policy_dir, dtype=torch.float32, **cls.model_kwargs), cfg)
+        return cls(cls.load_model(policy_dir), cfg)
 
     @classmethod
     def load(cls, ckpt_dir: str, cfg: TrainConfig) -> TorchTrainer:
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text())
-        trainer = cls(cls.auto_class.from_pretrained(ckpt_dir, dtype=torch.float32, **cls.model_kwargs), cfg, step=state["step"])
+        trainer = cls(cls.load_model(ckpt_dir), cfg, step=state["step"])
         optim_file = Path(ckpt_dir) / "optimizer.pt"
         if optim_file.exists():  # a freshly converted checkpoint has no optimizer state yet
             trainer.optimizer.load_state_dict(torch.load(optim_file, weights_only=True))
@@ -117,7 +121,7 @@ class TorchTrainer(TrainerBase):
             for name, values in {"loss": loss.detach(), **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + float((values * micro.loss_mask).sum())
         if world > 1:
-            for param in self.model.parameters():
+            for param in (p for p in self.model.parameters() if p.requires_grad):
                 if param.grad is None:  # a parameter this process's rows did not reach
                     param.grad = torch.zeros_like(param)
                 dist.all_reduce(param.grad)
@@ -153,8 +157,9 @@ class TorchTrainer(TrainerBase):
 
 
 class TorchCritic(TorchTrainer):
-    auto_class = AutoModelForTokenClassification
-    model_kwargs: ClassVar[dict] = {"num_labels": 1}
+    @staticmethod
+    def load_model(path: str) -> torch.nn.Module:
+        return AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float32, num_labels=1)
 
     def _forward(self, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, None]:
         hidden = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1, 0]  # [b, L-1]

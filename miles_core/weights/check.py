@@ -1,9 +1,11 @@
 """The boundary check of an HF weight directory (a user's checkpoint, a published policy version),
 run before any compute loads it: config.json is a JSON object transformers knows, every weight file
 is a whole safetensors file, every tensor the model declares is there with its shape and a floating
-dtype, and the tokenizer files (when asked for) parse. Each refusal is one short CheckpointError
-naming the file and the key or tensor; transformers' own errors would come later, longer, or never
-(a missing tensor is silently initialised at random)."""
+dtype, and the tokenizer files (when asked for) parse.  The tensors are those that
+`miles_core.models.load_causal_lm` reads, named as `save_pretrained` writes them (per-expert MoE
+tensors, original prefixes): a multimodal checkpoint is checked for its language model.  Each refusal
+is one short CheckpointError naming the file and the key or tensor; transformers' own errors would
+come later, longer, or never (a missing tensor is silently initialised at random)."""
 
 from __future__ import annotations
 
@@ -39,22 +41,21 @@ def json_object(path: Path, what: str) -> dict:
     return value
 
 
-def _expected_tensors(directory: Path, config: dict) -> dict[str, tuple[tuple[int, ...], object]]:
-    """name -> (shape, parameter) of the model config.json describes, built on the meta device (no memory)."""
-    import torch  # the model skeleton; a directory that fails earlier checks never needs it
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _expected_tensors(directory: Path, config: dict) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor the causal LM of config.json reads, as save_pretrained names them (for a
+    multimodal checkpoint: its language model's), built on the meta device (no memory)."""
+    from transformers import AutoConfig  # the model skeleton; a directory that fails earlier checks never needs it
+
+    from miles_core.models.loading import expected_tensors
 
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise CheckpointError(f"{directory / 'config.json'}: key model_type: expected a name, got {_clip(repr(model_type))}")
     try:
-        hf_config = AutoConfig.from_pretrained(directory)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
+        return expected_tensors(AutoConfig.from_pretrained(directory))
     except Exception as err:  # noqa: BLE001 - transformers and huggingface_hub raise many unrelated types for a config they cannot build
         reason = _clip(str(err).splitlines()[0] if str(err) else type(err).__name__)
         raise CheckpointError(f"{directory / 'config.json'}: transformers cannot build a model from it ({reason})") from None
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied weights appear once
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -86,7 +87,7 @@ def _read_tensors(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def check_hf_dir(path: str | Path, tokenizer: bool = True) -> None:
-    """Raise CheckpointError unless `path` is a loadable HF causal-LM weight directory."""
+    """Raise CheckpointError unless `path` is an HF weight directory `load_causal_lm` can load (text or multimodal)."""
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory (an HF weight directory was expected)")

@@ -8,6 +8,10 @@ uniform per row, cumsum + searchsorted: ~2 ms) in a short decode loop that also 
 of each sampled token from the same logits, so no [B, T, V] logits are kept (`output_logits=True`
 would hold every step's logits: tens of GB for a real vocabulary).
 Greedy decoding is argmax over the same logits and matches `model.generate(do_sample=False)`.
+Any HF directory loads through `miles_core.models.load_causal_lm` (a multimodal checkpoint as its text
+model).  Prompts are left-padded to decode together; a model whose attention is not invariant to
+left padding (DeepSeek-V4's compressor, miles_core/models/families.py) is decoded in batches of
+prompts of one length instead, so each row decodes as it would alone.
 Measured (bench/rollout.py: 256 sequences x 32 new tokens, vocab 8192, machine shared): this loop
 8.6-12.6k tokens/s vs HF generate 4.2-4.7k (2.0-2.7x); the same engine on `model.generate` with a
 log-prob hook was 0.96x HF; this loop with `torch.multinomial` instead of inverse CDF ~1.0x HF.
@@ -20,9 +24,11 @@ import os
 from collections.abc import Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from miles_core.models import load_causal_lm
+from miles_core.models.families import needs_equal_length_batches
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from miles_core.weights.check import check_hf_dir
 
@@ -113,8 +119,9 @@ class TorchEngine:
 
     def load_weights(self, policy_dir: str, version: int) -> None:
         check_hf_dir(policy_dir, tokenizer=False)  # a malformed directory is refused before any weight loads
-        model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=self.dtype)
+        model = load_causal_lm(policy_dir, self.dtype)
         model.eval()
+        self.equal_length_batches = needs_equal_length_batches(model.config)
         self.pad_token_id = _read_pad_token_id(policy_dir, model)
         self.model = model
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -130,14 +137,15 @@ class TorchEngine:
         self._check_prompts(prompts)
         expanded = [prompt for prompt in prompts for _ in range(params.n)]
         generator = torch.Generator().manual_seed(params.seed)  # private RNG: global state untouched
-        flat: list[Generation] = []
+        flat: list[Generation | None] = [None] * len(expanded)
         previous_threads = torch.get_num_threads()
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
         try:
             with torch.inference_mode():
-                for chunk in self._chunks(expanded):
-                    flat.extend(self._generate_batch(chunk, params, generator))
+                for rows in self._chunks(expanded):
+                    for row, generation in zip(rows, self._generate_batch([expanded[r] for r in rows], params, generator)):
+                        flat[row] = generation
         finally:
             if self.num_threads is not None:
                 torch.set_num_threads(previous_threads)
@@ -152,9 +160,17 @@ class TorchEngine:
                 bad = low if low < 0 else high
                 raise ValueError(f"prompts[{i}] has token id {bad} outside the vocabulary [0, {self.vocab_size})")
 
-    def _chunks(self, sequences: list[list[int]]) -> Iterator[list[list[int]]]:
-        for start in range(0, len(sequences), self.max_batch_sequences):
-            yield sequences[start : start + self.max_batch_sequences]
+    def _chunks(self, sequences: list[list[int]]) -> Iterator[list[int]]:
+        """Row numbers of each batch: consecutive rows, or rows of one prompt length (equal_length_batches)."""
+        groups = [list(range(len(sequences)))]
+        if self.equal_length_batches:
+            by_length: dict[int, list[int]] = {}
+            for row, sequence in enumerate(sequences):
+                by_length.setdefault(len(sequence), []).append(row)
+            groups = list(by_length.values())
+        for rows in groups:
+            for start in range(0, len(rows), self.max_batch_sequences):
+                yield rows[start : start + self.max_batch_sequences]
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
