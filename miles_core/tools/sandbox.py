@@ -143,6 +143,7 @@ while True:
 sys.exit(code if code >= 0 else 128 - code)
 """
 UID_BASE, UID_SLOTS = 0x5A000000, 4096  # one uid per concurrent sandbox, far above any real user
+SLOT_LOCKS = os.path.join(tempfile.gettempdir(), "miles-sandbox-uids")  # one lock file per uid slot, held while its sandbox runs
 SHM_BYTES = 1 << 20  # /dev/shm (POSIX semaphores of multiprocessing need a few bytes)
 BWRAP_PROCESSES = 3  # the launcher, bwrap's monitor and its pid-1 init, besides the code's processes
 # host information in /proc that a pid namespace does not hide: kernel command line, config and
@@ -156,11 +157,10 @@ def _own_uid():
     if os.geteuid() != 0:
         yield None
         return
-    slots = os.path.join(tempfile.gettempdir(), "miles-sandbox-uids")
-    os.makedirs(slots, mode=0o700, exist_ok=True)
+    os.makedirs(SLOT_LOCKS, mode=0o700, exist_ok=True)
     first = secrets.randbelow(UID_SLOTS)  # spreads reuse: a slot's previous processes have long died
     for slot in ((first + i) % UID_SLOTS for i in range(UID_SLOTS)):
-        with open(os.path.join(slots, str(slot)), "ab") as lock:
+        with open(os.path.join(SLOT_LOCKS, str(slot)), "ab") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -10,6 +10,7 @@ time in a pool (the machine has 2 cores) and checks the host once all have run.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import shutil
 import socket
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from miles_core.tools import cgroup, seccomp
-from miles_core.tools.sandbox import UID_BASE, UID_SLOTS, SandboxLimits, run_python
+from miles_core.tools.sandbox import SLOT_LOCKS, UID_BASE, UID_SLOTS, SandboxLimits, run_python
 
 REPO = Path(__file__).resolve().parents[2]
 LIMITS = SandboxLimits(wall_s=4.0, cpu_s=1, memory_mb=256, max_processes=16, max_output_bytes=8192)
@@ -356,9 +357,20 @@ def test_host_is_untouched(host):
 
 
 def test_no_sandbox_process_outlives_its_run(host):
-    """No process of any sandbox uid is left (daemons, lingering children) once the corpus has run."""
-    left = [p for p in os.listdir("/proc") if p.isdigit() and UID_BASE <= _uid(p) < UID_BASE + UID_SLOTS]
+    """No process of a sandbox uid is left (daemons, lingering children) once its sandbox has ended: a uid whose
+    slot lock nobody holds. A slot still held belongs to a sandbox running now (another test process's)."""
+    left = [p for p in os.listdir("/proc") if p.isdigit() and UID_BASE <= _uid(p) < UID_BASE + UID_SLOTS and not _slot_held(_uid(p) - UID_BASE)]
     assert left == []
+
+
+def _slot_held(slot: int) -> bool:
+    with open(os.path.join(SLOT_LOCKS, str(slot)), "ab") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return False
 
 
 def _uid(pid: str) -> int:
