@@ -43,13 +43,13 @@ PARALLEL_SPLITS = (
 
 
 def check_parallel_fit(train, shape: dict[str, int], where: str) -> None:
-    """Megatron's parallel sizes divide the model's dimensions (`shape`: the model section's, or a
-    checkpoint's config.json read at admission); `where` prefixes the model key in the message."""
+    """Megatron's parallel sizes divide the model's dimensions (`shape`: the model section's, or what a
+    checkpoint's config.json states, read at admission); `where` prefixes the model key in the message."""
     if train.backend != "megatron":
         return
     for size_key, model_key in PARALLEL_SPLITS:
         size = getattr(train, size_key)
-        if size > 1 and shape[model_key] % size:
+        if size > 1 and model_key in shape and shape[model_key] % size:
             raise ConfigError(f"train.{size_key}: must divide {where}{model_key} ({shape[model_key]}): megatron splits it over {size} ranks")
 
 

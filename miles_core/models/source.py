@@ -70,28 +70,35 @@ def read_source(model_dir: str | Path) -> dict:
     return json_object(Path(model_dir) / SOURCE_FILE, "the base model's source record")
 
 
-def text_config(config: dict) -> dict:
+def _text_part(config: dict) -> dict:
     """The causal LM's part of a config.json: a multimodal checkpoint keeps it under text_config."""
     return config.get("text_config") or config
 
 
+# model section key -> the config.json keys that hold it, by family (the first one present counts)
+SHAPE_KEYS = {
+    "num_heads": ("num_attention_heads",),
+    "num_kv_heads": ("num_key_value_heads", "num_attention_heads"),
+    "intermediate_size": ("intermediate_size",),
+    "num_layers": ("num_hidden_layers",),
+    "num_experts": ("num_experts", "n_routed_experts", "num_local_experts"),
+}
+
+
 def model_shape(config: dict) -> dict[str, int]:
-    """The sizes megatron splits over ranks, read from an HF config.json (keys as in the model section)."""
-    text = text_config(config)
-    experts = next((text[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if isinstance(text.get(k), int)), 0)
-    return {
-        "num_heads": text.get("num_attention_heads", 0),
-        "num_kv_heads": text.get("num_key_value_heads") or text.get("num_attention_heads", 0),
-        "intermediate_size": text.get("intermediate_size", 0),
-        "num_layers": text.get("num_hidden_layers", 0),
-        "num_experts": experts,
-    }
+    """The sizes megatron splits over ranks that an HF config.json states (keys as in the model section); a size the
+    family does not state (a dense model's experts) is left out, and no parallel size is checked against it."""
+    text = _text_part(config)
+    if "num_hidden_layers" not in text and isinstance(text.get("layers_block_type"), list):  # hybrid models list their layers
+        text = {**text, "num_hidden_layers": len(text["layers_block_type"])}
+    found = {key: next((text[k] for k in keys if isinstance(text.get(k), int) and text[k] > 0), None) for key, keys in SHAPE_KEYS.items()}
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def _check_vocab(directory: Path, config: dict) -> None:
     from transformers import AutoTokenizer  # the tokenizer only after the files parsed (check_hf_dir)
 
-    rows = text_config(config).get("vocab_size")
+    rows = _text_part(config).get("vocab_size")
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if not isinstance(rows, int) or len(tokenizer) > rows:
         raise CheckpointError(

@@ -135,3 +135,28 @@ def test_published_versions_keep_every_tokenizer_file_and_digest_sharded_weights
     data = shards[-1].read_bytes()
     shards[-1].write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit of one shard
     assert weights_sha256(tmp_path / "sharded") != digest
+
+
+@pytest.mark.parametrize(
+    ("config", "shape"),
+    [
+        (
+            {"num_attention_heads": 64, "num_key_value_heads": 4, "num_hidden_layers": 94, "intermediate_size": 12288, "num_experts": 128},
+            {"num_heads": 64, "num_kv_heads": 4, "num_layers": 94, "intermediate_size": 12288, "num_experts": 128},
+        ),
+        (
+            {"num_attention_heads": 128, "num_hidden_layers": 61, "n_routed_experts": 256},
+            {"num_heads": 128, "num_kv_heads": 128, "num_layers": 61, "num_experts": 256},
+        ),
+        (
+            {"text_config": {"num_attention_heads": 40, "num_hidden_layers": 48, "num_local_experts": 16}},
+            {"num_heads": 40, "num_kv_heads": 40, "num_layers": 48, "num_experts": 16},
+        ),
+        ({"num_attention_heads": 32, "layers_block_type": ["mamba", "moe", "attention"] * 4}, {"num_heads": 32, "num_kv_heads": 32, "num_layers": 12}),
+    ],
+    ids=["qwen3-moe", "deepseek (MLA, no kv heads)", "multimodal text_config", "hybrid layer list"],
+)
+def test_the_shape_megatron_splits_is_read_from_each_familys_keys(config, shape):
+    from miles_core.models.source import model_shape
+
+    assert model_shape(config) == shape
