@@ -9,7 +9,7 @@ UI_PORT ?= 5000
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test test-fast ui bench clean sglang-env lock
+.PHONY: setup run test test-fast test-twins ui bench clean sglang-env lock
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ test: setup sglang-env
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not flyte and not integration"
+
+# The slower tier: every real-size recipe's tiny twin (recipes/tiny/) through a real pyflyte run on CPU.
+test-twins: setup
+	$(PY) -m pytest -q -m twins tests/flyte/test_twins.py
 
 ui: setup
 	$(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/runs/mlflow.db \

@@ -8,7 +8,9 @@ under the run root. `code` is the digest of the recipe's plug-in modules the tas
 convert, train and publish run as kfpytorch `Elastic` tasks: their workers are fresh processes
 (torchrun semantics, one per GPU on a cluster; locally `start_method="fork"`, gloo on CPU), so a
 backend's process groups never live in the workflow's own process. Elastic returns rank 0's
-value. The train task's processes come from the recipe (`train_overrides`, applied by the workflow).
+value. The train task's processes (`train_task`: a variant defined with the recipe's nnodes x nproc_per_node) and
+the GPUs and memory of the train, rollout and evaluate pods (`train_overrides`, `rollout_overrides`) come from the
+recipe; the workflow applies them.
 """
 
 from __future__ import annotations
@@ -22,34 +24,47 @@ from flytekitplugins.kfpytorch import Elastic
 from transformers import AutoTokenizer
 
 from containers.images import cpu_image
-from miles_core.config import AlgoConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, RunConfig, TrainConfig
+from miles_core.config import AlgoConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, load_prompts
 from miles_core.models import vocab_size
-from miles_core.plugins import plugin, plugin_code
+from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine, weight_update_metrics
 from miles_core.schemas import read_batch, write_batch
 from miles_core.step import bind, groups_of, rollout_seed, score_batch, scorer_of
 from miles_core.storage import artifact_path, atomic_dir
 from miles_core.train.backends import convert_checkpoint, export_policy, train_checkpoint
 from tasks.common import BatchResult, Checkpoint, Dataset, Policy, RolloutResult, TrainResult, cache_version, lasting_dir, lasting_file
+from tasks.elastic import elastic_task, sized
 
 ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork")
 LOCAL_RESOURCES = Resources(cpu="2", mem="8Gi")
 
 
-def distributed(train: TrainConfig) -> Elastic:
-    """The train task's processes: train.nnodes x train.nproc_per_node (data parallel on either backend; megatron also splits
-    tensors and layers). Locally the workers fork from the task's process; on a cluster each node is a pod."""
-    return Elastic(nnodes=train.nnodes, nproc_per_node=train.nproc_per_node, start_method="fork")
+def pod_resources(gpus: int, memory_gb: int) -> dict:
+    """A pod's requests and limits from the recipe: its GPUs with 8 CPUs each, and memory_gb GiB of host memory
+    (0 = 64 per GPU). Neither GPUs nor memory: {} (the task's own defaults)."""
+    if not gpus and not memory_gb:
+        return {}
+    mem = f"{memory_gb or 64 * gpus}Gi"
+    resources = Resources(cpu=str(8 * gpus), mem=mem, gpu=str(gpus)) if gpus else Resources(mem=mem)
+    return {"requests": resources, "limits": resources}
 
 
-def train_overrides(train: TrainConfig) -> dict:
-    """What the recipe decides about the train task's pods: processes per node and, on GPU nodes, GPUs."""
-    overrides = {"task_config": distributed(train)}
-    if train.gpus_per_node:
-        gpus = Resources(cpu=str(8 * train.gpus_per_node), mem=f"{64 * train.gpus_per_node}Gi", gpu=str(train.gpus_per_node))
-        overrides.update(requests=gpus, limits=gpus)
-    return overrides
+def train_task(cfg: TrainConfig):
+    """The train task with the recipe's processes, train.nnodes x train.nproc_per_node (data parallel on either backend;
+    megatron also splits tensors, layers and experts). Locally the workers fork from the task's process; on a cluster
+    each node is a pod."""
+    return sized(train, cfg.nnodes, cfg.nproc_per_node)
+
+
+def train_overrides(cfg: TrainConfig) -> dict:
+    """What the recipe decides about the train task's pods besides their processes: on GPU nodes, GPUs and memory."""
+    return pod_resources(cfg.gpus_per_node, cfg.memory_gb)
+
+
+def rollout_overrides(rollout: RolloutConfig) -> dict:
+    """What the recipe decides about the rollout and evaluate pods: the GPUs of the SGLang servers they launch, and memory."""
+    return pod_resources(rollout.gpus(), rollout.memory_gb)
 
 
 def _forked_worker() -> None:
@@ -117,11 +132,11 @@ def score(
     return BatchResult(batch=lasting_file(out), metrics=metrics)
 
 
-@task(
+@elastic_task(
     cache=True,
     cache_version=cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, module=__name__),
     container_image=cpu_image,
-    task_config=distributed(TrainConfig()),
+    task_config=Elastic(nnodes=1, nproc_per_node=TrainConfig().nproc_per_node, start_method="fork"),  # a run's: train_task(cfg)
     requests=LOCAL_RESOURCES,
 )
 def train(
@@ -173,9 +188,3 @@ def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: R
     metrics = fns.evaluate_fn(engine, _prompts(dataset.test, data), AutoTokenizer.from_pretrained(policy.dir.path), fns)
     print(f"evaluate: policy v{policy.version}: held-out accuracy {metrics['eval/accuracy']:.3f}")
     return metrics
-
-
-@task(container_image=cpu_image)
-def stage_code(cfg: RunConfig, stage: str) -> str:
-    """`plugin_code` as a task, for the workflow's static part (the loop computes it in place); never cached."""
-    return plugin_code(cfg, stage)

@@ -20,7 +20,7 @@ from miles_core.plugins import STAGE_PLUGPOINTS, plugin_code
 from tasks.async_phase import async_phase
 from tasks.common import Dataset, Policy, Tracking
 from tasks.prepare import admit_model, base_model, make_data
-from tasks.rl import convert, evaluate, publish, rollout, score, stage_code, train, train_overrides
+from tasks.rl import convert, evaluate, publish, rollout, rollout_overrides, score, train_overrides, train_task
 from tasks.sft import sft
 from tasks.tracking import Report, finish_run, log_iteration, log_phase, start_run
 
@@ -30,9 +30,54 @@ class LoopResult(NamedTuple):
     evaluation: dict[str, float]
 
 
-def evaluated(cfg: RunConfig, policy, dataset, code):
-    """The held-out evaluation node of a policy version (the sections it reads taken from the run's config)."""
-    return evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset, code=code)
+# The nodes whose pods the recipe sizes, written once for the loop (and the tests that compile what it builds).
+
+
+def rolled_out(cfg: RunConfig, policy: Policy, dataset: Dataset, state: DataState, buffer, iteration: int, code: str):
+    """The rollout task of one iteration, its pod sized by the recipe (the GPUs of the SGLang servers it launches)."""
+    node = rollout(
+        cfg=cfg.rollout,
+        data=cfg.data,
+        reward=cfg.reward,
+        policy=policy,
+        dataset=dataset,
+        state=state,
+        buffer=buffer,
+        iteration=iteration,
+        root=cfg.run_root,
+        code=code,
+    )
+    return node.with_overrides(**rollout_overrides(cfg.rollout))
+
+
+def trained_on(cfg: RunConfig, ckpt, batch, reference: Policy, iteration: int, code: str):
+    """The train task of one iteration on a scored batch: the recipe's processes (nnodes x nproc_per_node), GPUs and memory."""
+    node = train_task(cfg.train)(
+        algo=cfg.algo,
+        cfg=cfg.train,
+        reward=cfg.reward,
+        rollout=cfg.rollout,
+        hooks=cfg.hooks,
+        ckpt=ckpt,
+        batch=batch,
+        reference=reference,
+        iteration=iteration,
+        root=cfg.run_root,
+        code=code,
+    )
+    return node.with_overrides(**train_overrides(cfg.train))
+
+
+def evaluated(cfg: RunConfig, policy: Policy, dataset: Dataset, code: str):
+    """The evaluate task on `policy`, its pod sized like the rollout's (the GPUs of the SGLang servers it launches)."""
+    node = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset, code=code)
+    return node.with_overrides(**rollout_overrides(cfg.rollout))
+
+
+@dynamic(container_image=cpu_image)
+def evaluate_start(cfg: RunConfig, start: Policy, dataset: Dataset) -> dict[str, float]:
+    """The held-out evaluation before RL; a dynamic node, since only there the recipe's values (its pod's GPUs) are known."""
+    return evaluated(cfg, start, dataset, plugin_code(cfg, "evaluate"))
 
 
 @dynamic(container_image=cpu_image)
@@ -68,32 +113,9 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
             log_phase(run=run, first_iteration=it, phase=phase, evaluation=evaluation)
             ckpt, policy, state, buffer = phase.ckpt, phase.policy, phase.state, phase.buffer
             continue
-        batch = rollout(
-            cfg=cfg.rollout,
-            data=cfg.data,
-            reward=cfg.reward,
-            policy=policy,
-            dataset=dataset,
-            state=state,
-            buffer=buffer,
-            iteration=it,
-            root=root,
-            code=code["rollout"],
-        )
+        batch = rolled_out(cfg, policy, dataset, state, buffer, it, code["rollout"])
         scored = score(cfg=cfg.reward, hooks=cfg.hooks, rollout=cfg.rollout, policy=policy, batch=batch, iteration=it, root=root, code=code["score"])
-        trained = train(
-            algo=cfg.algo,
-            cfg=cfg.train,
-            reward=cfg.reward,
-            rollout=cfg.rollout,
-            hooks=cfg.hooks,
-            ckpt=ckpt,
-            batch=scored,
-            reference=start,
-            iteration=it,
-            root=root,
-            code=code["train"],
-        ).with_overrides(**train_overrides(cfg.train))
+        trained = trained_on(cfg, ckpt, scored, start, it, code["train"])
         policy = publish(cfg=cfg.publish, train_cfg=cfg.train, ckpt=trained.ckpt, parent=policy, root=root)
         evaluation = evaluated(cfg, policy, dataset, code["evaluate"]) if due else {}
         log_iteration(run=run, iteration=it, rollout=batch.metrics, score=scored.metrics, train=trained.metrics, evaluation=evaluation, policy=policy)
@@ -106,7 +128,7 @@ def rl(cfg: RunConfig = RunConfig()) -> Report:  # noqa: B008 (the workflow's de
     base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
-    before = evaluated(cfg, start, dataset, stage_code(cfg=cfg, stage="evaluate"))
+    before = evaluate_start(cfg=cfg, start=start, dataset=dataset)
     run = start_run(cfg=cfg, dataset=dataset, base=base, start=start, evaluation=before)
     final = rl_loop(cfg=cfg, start=start, dataset=dataset, run=run)
     return finish_run(run=run, before=before, after=final.evaluation, policy=final.policy, root=cfg.run_root)

@@ -18,6 +18,7 @@ class SGLangConfig:
 
     urls: str = ""  # comma-separated http://host:port of running servers to attach to; empty = launch
     num_servers: int = 1  # servers launched on 127.0.0.1 when urls is empty
+    tensor_parallel: int = 1  # GPUs per launched server (SGLang's --tp-size); on cuda the rollout pod requests num_servers x this
     python: str = ""  # the SGLang environment's python; empty = $MILES_SGLANG_ENV or the `make sglang-env` cache path
     device: str = "cpu"  # cpu (SGLANG_USE_CPU_ENGINE=1 + the CPU stand-ins) | cuda
     max_total_tokens: int = 65536  # KV cache size in tokens (the CPU default would reserve 13 GB)
@@ -37,6 +38,12 @@ class SGLangConfig:
     def __post_init__(self):
         check_finite(self, "rollout.sglang")
         _check(self.num_servers >= 1, "rollout.sglang.num_servers", "must be >= 1")
+        _check(self.tensor_parallel >= 1, "rollout.sglang.tensor_parallel", "must be >= 1")
+        _check(
+            self.tensor_parallel == 1 or self.device == "cuda",
+            "rollout.sglang.tensor_parallel",
+            f"{self.tensor_parallel} GPUs per server need device: cuda (a CPU server here is one process)",
+        )
         _check(self.device in ("cpu", "cuda"), "rollout.sglang.device", f"must be cpu or cuda, got {self.device!r}")
         _check(self.max_total_tokens > 0, "rollout.sglang.max_total_tokens", "must be > 0")
         _check(self.dtype in SGLANG_DTYPES, "rollout.sglang.dtype", f"must be one of {', '.join(SGLANG_DTYPES)} (SGLang's --dtype), got {self.dtype!r}")
@@ -102,6 +109,7 @@ class RolloutConfig:
     dynamic_filter_fn: str = "miles_core.algos.filters:nonzero_reward_std"  # plug-point: filter(group)
     buffer_filter_fn: str = "miles_core.algos.filters:oldest_first"  # plug-point: take(buffer, n)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # used when engine is sglang
+    memory_gb: int = 0  # host memory of the rollout and evaluate pods, GiB; 0 = 64 per GPU they request, else the task's default
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tools and turn limits of multi-turn generate
 
     def __post_init__(self):
@@ -116,3 +124,10 @@ class RolloutConfig:
         _check(self.over_sample >= 1.0, "rollout.over_sample", "must be >= 1")
         _check(self.max_rounds >= 1, "rollout.max_rounds", "must be >= 1")
         _check(self.seed >= 0, "rollout.seed", "must be >= 0")
+        _check(self.memory_gb >= 0, "rollout.memory_gb", f"must be >= 0 (GiB; 0 = sized from the GPUs), got {self.memory_gb}")
+
+    def gpus(self) -> int:
+        """GPUs of each rollout and evaluate pod: the SGLang servers it launches on cuda (attached servers and the torch engine: none)."""
+        s = self.sglang
+        launches = self.engine == "sglang" and s.device == "cuda" and not s.urls.strip()
+        return s.num_servers * s.tensor_parallel if launches else 0

@@ -5,7 +5,7 @@ checks (ranges, finiteness, one key against its neighbour's bound) live in its d
 the rules that need two sections, or two settings whose combination is wrong although each is
 right: rollout log-probs with IS corrections, over-sampling without dynamic sampling, a backend
 with a precision or parallel size it does not read, parallel sizes with the model's shape,
-async phases with what they do not run.
+async phases with what they do not run (a critic, GPUs).
 """
 
 from __future__ import annotations
@@ -95,6 +95,15 @@ RULES: tuple[Rule, ...] = (
     _torch_ignores("pipeline_parallel", 1),
     _torch_ignores("expert_parallel", 1),
     Rule(
+        "train.tensor_parallel",
+        lambda c: _megatron(c) and not c.model.path and c.model.arch == "qwen3_moe",
+        lambda c: c.train.tensor_parallel == 1,
+        lambda c: (
+            "megatron-core 0.16.1 trains MoE layers at tensor parallel > 1 only with sequence parallel, which the megatron backend "
+            "does not enable yet: use tensor_parallel 1 and split the experts with expert_parallel"
+        ),
+    ),
+    Rule(
         "train.expert_parallel",
         lambda c: c.train.expert_parallel > 1 and not c.model.path,
         lambda c: c.model.arch not in DENSE_ARCHS,
@@ -111,6 +120,15 @@ RULES: tuple[Rule, ...] = (
         _async,
         lambda c: c.algo.advantage != "ppo",
         lambda c: "async phases do not train a critic yet: use a critic-free estimator or schedule: sync",
+    ),
+    Rule(
+        "async_phase.schedule",
+        _async,
+        lambda c: not c.train.gpus_per_node and not c.rollout.gpus(),
+        lambda c: (
+            "async phases run on the Ray cluster's CPU worker groups (tasks/async_phase.py), but this recipe asks for GPUs "
+            f"(train.gpus_per_node: {c.train.gpus_per_node}, rollout GPUs: {c.rollout.gpus()}): use schedule: sync"
+        ),
     ),
     Rule(
         "async_phase.rollout_workers",

@@ -23,11 +23,12 @@ class TrainConfig:
     # megatron backend (megatron-core): parallel sizes; data parallel = nnodes x nproc_per_node / (tensor x pipeline)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    expert_parallel: int = 1  # MoE experts split over this many data-parallel ranks
+    expert_parallel: int = 1  # MoE experts split over this many ranks of a pipeline stage (its tensor x data parallel ranks)
     nnodes: int = 1  # nodes (pods) of the distributed train task
     nproc_per_node: int = 2  # processes of the distributed train task per node (one per GPU on a GPU node)
     megatron_dtype: str = "float32"  # float32 | bfloat16 (parameters and compute; grads reduced in fp32)
     gpus_per_node: int = 0  # GPUs requested by the distributed train task's pods (0 = CPU)
+    memory_gb: int = 0  # host memory per train pod, GiB; 0 = 64 per GPU on GPU nodes, else the task's default
 
     def __post_init__(self):
         check_finite(self, "train")
@@ -39,15 +40,23 @@ class TrainConfig:
             "train.gpus_per_node",
             f"must be 0 (CPU) or nproc_per_node={self.nproc_per_node} (one process per GPU)",
         )
-        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        model_parallel, world = self.tensor_parallel * self.pipeline_parallel, self.nnodes * self.nproc_per_node
         _check(
-            self.nproc_per_node % model_parallel == 0, "train.nproc_per_node", f"must be a multiple of tensor_parallel x pipeline_parallel = {model_parallel}"
+            world % model_parallel == 0,
+            "train.nproc_per_node",
+            f"nnodes x nproc_per_node = {world} must be a multiple of tensor_parallel x pipeline_parallel = {model_parallel}",
         )
-        data_parallel = self.nnodes * self.nproc_per_node // model_parallel
         _check(
-            data_parallel % self.expert_parallel == 0,
+            self.nproc_per_node % self.tensor_parallel == 0,
+            "train.tensor_parallel",
+            f"must divide nproc_per_node = {self.nproc_per_node}: a tensor-parallel group stays within a node (pipeline stages may span nodes)",
+        )
+        stage_ranks = self.nnodes * self.nproc_per_node // self.pipeline_parallel  # tensor x data parallel ranks of one pipeline stage
+        _check(
+            stage_ranks % self.expert_parallel == 0,
             "train.expert_parallel",
-            "must divide the data-parallel size (nnodes x nproc_per_node / (tensor x pipeline))",
+            f"must divide nnodes x nproc_per_node / pipeline_parallel = {stage_ranks}: megatron forms expert groups from a pipeline stage's "
+            "tensor- and data-parallel ranks (expert tensor parallel 1)",
         )
         _check(self.megatron_dtype in ("float32", "bfloat16"), "train.megatron_dtype", f"must be float32 or bfloat16, got {self.megatron_dtype!r}")
         _check(self.lr > 0, "train.lr", "must be > 0")
@@ -59,6 +68,7 @@ class TrainConfig:
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _check(self.mini_batches > 0, "train.mini_batches", "must be > 0")
         _check(self.micro_batch_size > 0, "train.micro_batch_size", "must be > 0")
+        _check(self.memory_gb >= 0, "train.memory_gb", f"must be >= 0 (GiB; 0 = sized from the GPUs), got {self.memory_gb}")
 
 
 @dataclass(frozen=True)

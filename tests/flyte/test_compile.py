@@ -77,7 +77,7 @@ def test_typed_interfaces():
 def test_workflow_compiles_with_its_static_nodes():
     spec = compile_entity(rl)
     names = [node.id for node in spec.template.nodes]
-    assert len(names) == 9  # base_model, admit_model, make_data, sft, stage_code, evaluate, start_run, rl_loop, finish_run
+    assert len(names) == 8  # base_model, admit_model, make_data, sft, evaluate_start, start_run, rl_loop, finish_run
     assert set(spec.template.interface.inputs) == {"cfg"}
     loop = compile_entity(rl_loop).template
     assert set(loop.interface.inputs) == {"cfg", "start", "dataset", "run"}

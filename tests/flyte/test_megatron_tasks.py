@@ -10,8 +10,10 @@ from containers.images import cpu_image
 from miles_core.config import TrainConfig, load_recipe
 from tasks import rl as rl_tasks
 from tasks.common import BatchResult, Checkpoint, Policy
+from tasks.elastic import elastic_resolver
 from tests.conftest import REPO, extends
-from tests.flyte.test_compile import compile_entity
+from tests.flyte.test_compile import SETTINGS, compile_entity
+from workflows.rl import trained_on
 
 pytestmark = pytest.mark.flyte
 
@@ -28,8 +30,18 @@ def test_trainer_tasks_are_cached_elastic_pods(task):
 
 @pytest.mark.parametrize("backend, nnodes, nproc", [("megatron", 1, 4), ("megatron", 1, 1), ("torch", 1, 3), ("megatron", 2, 4), ("torch", 3, 2)])
 def test_train_processes_come_from_the_recipe(backend, nnodes, nproc):
-    elastic = rl_tasks.train_overrides(TrainConfig(backend=backend, nnodes=nnodes, nproc_per_node=nproc))["task_config"]
-    assert (elastic.nnodes, elastic.nproc_per_node) == (nnodes, nproc)
+    elastic = rl_tasks.train_task(TrainConfig(backend=backend, nnodes=nnodes, nproc_per_node=nproc)).task_config
+    assert (elastic.nnodes, elastic.nproc_per_node, elastic.start_method) == (nnodes, nproc, "fork")
+
+
+def test_a_pod_builds_the_train_task_again_with_the_recipe_processes():
+    """The task's pod loads it through its resolver from the arguments written at serialization: same name, same sizes."""
+    sized = rl_tasks.train_task(TrainConfig(nnodes=4, nproc_per_node=8))
+    args = elastic_resolver.loader_args(SETTINGS, sized)
+    assert args == ["task-module", "tasks.rl", "task-name", "train", "nnodes", "4", "nproc-per-node", "8"]
+    loaded = elastic_resolver.load_task(args)
+    assert loaded.name == rl_tasks.train.name and (loaded.task_config.nnodes, loaded.task_config.nproc_per_node) == (4, 8)
+    assert loaded.metadata.cache_version == rl_tasks.train.metadata.cache_version  # the same cache entries as the task defined in tasks/rl.py
 
 
 @pytest.mark.parametrize("recipe", ["recipes/tiny_arith_megatron.yaml", "recipes/qwen3_4b_megatron_gpu.yaml"])
@@ -39,30 +51,18 @@ def test_megatron_recipes_validate_and_compile_with_their_resources(recipe):
 
     @workflow
     def one_step(ckpt: Checkpoint, batch: BatchResult, reference: Policy):
-        rl_tasks.train(
-            algo=cfg.algo,
-            cfg=cfg.train,
-            reward=cfg.reward,
-            rollout=cfg.rollout,
-            hooks=cfg.hooks,
-            ckpt=ckpt,
-            batch=batch,
-            reference=reference,
-            iteration=0,
-            root=cfg.run_root,
-            code="",
-        ).with_overrides(**rl_tasks.train_overrides(cfg.train))
+        trained_on(cfg, ckpt, batch, reference, 0, "")
 
     overrides = compile_entity(one_step).template.nodes[0].task_node.overrides
     gpus = [r.value for r in overrides.resources.requests if r.name == Resources.ResourceName.GPU] if overrides.resources else []
     assert gpus == ([str(cfg.train.gpus_per_node)] if cfg.train.gpus_per_node else [])
-    elastic = rl_tasks.train_overrides(cfg.train)["task_config"]
+    elastic = rl_tasks.train_task(cfg.train).task_config
     assert (elastic.nnodes, elastic.nproc_per_node) == (cfg.train.nnodes, cfg.train.nproc_per_node)
 
 
 def test_gpu_recipe_parallel_sizes():
     train = load_recipe("recipes/qwen3_4b_megatron_gpu.yaml").train
-    assert (train.tensor_parallel, train.pipeline_parallel, train.nproc_per_node // 4) == (2, 2, 2)  # TP x PP x DP = 8 GPUs
+    assert (train.tensor_parallel, train.pipeline_parallel, train.nproc_per_node // 2) == (2, 1, 4)  # TP x PP x DP = 8 GPUs
 
 
 def test_bad_parallel_sizes_fail_before_anything_runs(tmp_path):
@@ -70,5 +70,7 @@ def test_bad_parallel_sizes_fail_before_anything_runs(tmp_path):
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"extends: {extends(REPO / 'recipes/tiny_arith_megatron.yaml', bad)}\ntrain: {{tensor_parallel: 3}}\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: train.nproc_per_node: must be a multiple of tensor_parallel x pipeline_parallel = 3"):
+    with pytest.raises(
+        ConfigError, match=r"bad.yaml: train.nproc_per_node: nnodes x nproc_per_node = 2 must be a multiple of tensor_parallel x pipeline_parallel = 3"
+    ):
         load_recipe(bad)

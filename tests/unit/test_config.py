@@ -55,6 +55,9 @@ def test_seed_override_sets_every_seeded_section_before_their_own_seeds(tmp_path
         ("algo: {advantage: ppo2}\n", "algo.advantage: unknown estimator 'ppo2'"),
         ("rollout: {n_samples: 1}\nalgo: {advantage: rloo}\n", "algo.advantage: rloo needs rollout.n_samples >= 2"),
         ("rollout: {engine: sglang, sglang: {urls: 'http://h:1'}}\nasync_phase: {schedule: async}\n", "async_phase.rollout_workers: attached SGLang servers"),
+        ("train: {memory_gb: -8}\n", "train.memory_gb: must be >= 0"),
+        ("train: {nnodes: 2, nproc_per_node: 4, tensor_parallel: 8}\n", "train.tensor_parallel: must divide nproc_per_node = 4"),
+        ("train: {nnodes: 2, nproc_per_node: 2, pipeline_parallel: 2, expert_parallel: 4}\n", "train.expert_parallel: must divide nnodes x nproc_per_node"),
         ("train: [lr\n", "not valid YAML"),
     ],
 )

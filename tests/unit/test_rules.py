@@ -51,6 +51,12 @@ CASES = [
         {"model.num_layers": 6},
     ),
     (
+        "tp_moe",
+        {**MEGATRON, "train.tensor_parallel": 2, "model.arch": "qwen3_moe"},
+        "train.tensor_parallel: megatron-core 0.16.1 trains MoE layers at tensor parallel > 1 only with sequence parallel",
+        {"train.tensor_parallel": 1},
+    ),
+    (
         "ep_dense",
         {**MEGATRON, "train.expert_parallel": 2},
         "train.expert_parallel: expert parallelism splits MoE experts, and model.arch 'qwen2' has none",
@@ -69,6 +75,12 @@ CASES = [
         {"rollout.prompts_per_step": 16},
     ),
     ("async_critic", {**ASYNC, "algo.advantage": "ppo"}, "async_phase.schedule: async phases do not train a critic yet", {"algo.advantage": "grpo"}),
+    (
+        "async_gpus",
+        {**ASYNC, "train.gpus_per_node": 2},
+        "async_phase.schedule: async phases run on the Ray cluster's CPU worker groups (tasks/async_phase.py), but this recipe asks for GPUs",
+        {"async_phase.schedule": "sync"},
+    ),
     (
         "async_attached",
         {**ASYNC, "rollout.engine": "sglang", "rollout.sglang.urls": "http://h:1"},

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_core.config import ConfigError, RolloutConfig, load_recipe
+from miles_core.config import ConfigError, RolloutConfig, SGLangConfig, load_recipe
 from miles_core.rollout.engines import make_engine, weight_update_metrics
+from miles_core.rollout.engines.sglang_server import launch_args
 from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.weights.sync import flatten_bucket, iter_buckets
 
@@ -27,11 +28,35 @@ def test_sglang_recipe_resolves_nested_settings():
         ("rollout.sglang.startup_timeout_s", 0, "rollout.sglang.startup_timeout_s: must be > 0"),
         ("rollout.sglang.pause_mode", "stop", "rollout.sglang.pause_mode: must be one of abort, retract, in_place"),
         ("rollout.sglang.servers", 2, "rollout.sglang.servers: unknown key"),
+        ("rollout.sglang.tensor_parallel", 0, "rollout.sglang.tensor_parallel: must be >= 1"),
+        ("rollout.sglang.tensor_parallel", 2, "rollout.sglang.tensor_parallel: 2 GPUs per server need device: cuda"),
+        ("rollout.memory_gb", -1, "rollout.memory_gb: must be >= 0"),
     ],
 )
 def test_bad_sglang_settings_fail_naming_file_and_key(key, value, message):
     with pytest.raises(ConfigError, match="tiny_arith_sglang.yaml: " + message.replace("(", r"\(").replace(")", r"\)")):
         load_recipe("recipes/tiny_arith_sglang.yaml", {key: value})
+
+
+def test_each_server_of_a_pod_gets_gpus_of_its_own():
+    cuda = SGLangConfig(device="cuda", num_servers=2, tensor_parallel=4)
+    args = [launch_args(cuda, "/m", 30000, 0, slot) for slot in (0, 1)]
+    assert [a[a.index("--tp-size") + 1] for a in args] == ["4", "4"]
+    assert [a[a.index("--base-gpu-id") + 1] for a in args] == ["0", "4"]  # GPUs 0-3 and 4-7
+    assert "--base-gpu-id" not in launch_args(SGLangConfig(), "/m", 30000, 0)  # a CPU server has no GPU to pick
+
+
+@pytest.mark.parametrize(
+    "rollout, gpus",
+    [
+        (RolloutConfig(engine="sglang", sglang=SGLangConfig(device="cuda", num_servers=2, tensor_parallel=4)), 8),
+        (RolloutConfig(engine="sglang", sglang=SGLangConfig(device="cuda", num_servers=2, urls="http://h:1")), 0),  # attached: launched elsewhere
+        (RolloutConfig(engine="torch", sglang=SGLangConfig(device="cuda", num_servers=2)), 0),  # the section is unused
+        (RolloutConfig(engine="sglang"), 0),  # CPU servers
+    ],
+)
+def test_the_rollout_pod_requests_the_gpus_of_the_servers_it_launches(rollout, gpus):
+    assert rollout.gpus() == gpus
 
 
 def test_factory_builds_the_torch_engine_by_default(tmp_path):

@@ -59,7 +59,7 @@ class SGLangEngine:
             if urls:
                 self.servers = list(pool.map(lambda u: SGLangServer.attach(u, cfg), urls))
             else:
-                self.servers = list(pool.map(lambda _: SGLangServer.launch(cfg, policy_dir, version), range(cfg.num_servers)))
+                self.servers = list(pool.map(lambda slot: SGLangServer.launch(cfg, policy_dir, version, slot), range(cfg.num_servers)))
         if urls:  # attached servers hold whatever they hold: publish the requested version
             self.weight_version = None
             self.load_weights(policy_dir, version)

@@ -45,6 +45,36 @@ def sglang_python(cfg: SGLangConfig) -> str:
     return str(python)
 
 
+def launch_args(cfg: SGLangConfig, model_path: str, port: int, weight_version: int, slot: int = 0) -> list[str]:
+    """`python -m sglang.launch_server` arguments of server number `slot`: on cuda each server has tensor_parallel GPUs
+    of its own (--tp-size, from --base-gpu-id slot x tensor_parallel), so the pod's servers never share a GPU."""
+    gpus = ["--base-gpu-id", str(slot * cfg.tensor_parallel)] if cfg.device == "cuda" else []
+    return [
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        cfg.device,
+        "--tp-size",
+        str(cfg.tensor_parallel),
+        *gpus,
+        "--dtype",
+        cfg.dtype,
+        "--max-total-tokens",
+        str(cfg.max_total_tokens),
+        "--skip-tokenizer-init",
+        "--weight-version",
+        str(weight_version),
+        *(["--sleep-on-idle"] if cfg.sleep_on_idle else []),
+        *shlex.split(cfg.extra_args),
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,6 +90,7 @@ class SGLangServer:
         self.process = process
         self.log_file = log_file
         self.restarts = 0
+        self.slot = 0  # a launched server's place among the pod's servers (its GPUs on cuda)
         self._session = requests.Session()
 
     @classmethod
@@ -69,36 +100,17 @@ class SGLangServer:
         return server
 
     @classmethod
-    def launch(cls, cfg: SGLangConfig, model_path: str, weight_version: int) -> SGLangServer:
+    def launch(cls, cfg: SGLangConfig, model_path: str, weight_version: int, slot: int = 0) -> SGLangServer:
+        """Start server number `slot` of this pod (on cuda: GPUs slot x tensor_parallel onwards) and wait until it is healthy."""
         port = free_port()
         log_file = Path(tempfile.mkdtemp(prefix="sglang-")) / f"server-{port}.log"
-        command = [
-            sglang_python(cfg),
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            model_path,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--device",
-            cfg.device,
-            "--dtype",
-            cfg.dtype,
-            "--max-total-tokens",
-            str(cfg.max_total_tokens),
-            "--skip-tokenizer-init",
-            "--weight-version",
-            str(weight_version),
-            *(["--sleep-on-idle"] if cfg.sleep_on_idle else []),
-            *shlex.split(cfg.extra_args),
-        ]
+        command = [sglang_python(cfg), *launch_args(cfg, model_path, port, weight_version, slot)]
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1" if cfg.device == "cpu" else "0"}
         log.info("starting SGLang server on port %d (log %s)", port, log_file)
         with open(log_file, "wb") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         server = cls(f"http://127.0.0.1:{port}", cfg, process, log_file)
+        server.slot = slot
         try:
             server.wait_healthy()
         except BaseException:
@@ -166,7 +178,7 @@ class SGLangServer:
         if self.process is None:
             raise SGLangError(f"attached SGLang server {self.url} is down and cannot be restarted from here")
         self.stop()
-        fresh = SGLangServer.launch(self.cfg, model_path, weight_version)
+        fresh = SGLangServer.launch(self.cfg, model_path, weight_version, self.slot)
         self.url, self.process, self.log_file = fresh.url, fresh.process, fresh.log_file
         self.restarts += 1
 

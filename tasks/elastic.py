@@ -1,0 +1,69 @@
+"""Elastic tasks whose processes the recipe sets: nnodes x nproc_per_node are known only when the loop runs.
+
+flytekit 1.16 fixes an Elastic task's kind (a standalone pod for one node, a PyTorchJob for more) and its
+replica count when the task is defined; a node's `task_config` override changes neither (and changes the task
+object itself). And the pod that runs a task builds it again from its module and name, with the Elastic config
+it was defined with, which decides how many processes torch elastic starts there. So a run calls `sized(task,
+nnodes, nproc)`: the same task (name, cache version, image, resources) defined with the recipe's sizes, whose
+resolver writes the sizes into the pod's arguments and builds the same variant in the pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+
+from flytekit import task
+from flytekit.core.base_task import TaskResolverMixin
+from flytekit.core.context_manager import FlyteContextManager
+from flytekit.core.tracker import TrackedInstance
+
+_TASK_ARGS: dict[str, dict] = {}  # "module.function" -> the @task arguments it was defined with
+
+
+def elastic_task(**task_args):
+    """@task(**task_args) for an Elastic task that `sized` can define again with other nnodes and nproc_per_node."""
+
+    def define(fn):
+        _TASK_ARGS[f"{fn.__module__}.{fn.__name__}"] = task_args
+        return task(**task_args)(fn)
+
+    return define
+
+
+@functools.cache
+def sized(base, nnodes: int, nproc_per_node: int):
+    """`base` (defined by `elastic_task`) with nnodes x nproc_per_node processes, everything else as defined."""
+    fn = base.task_function
+    args = _TASK_ARGS[f"{fn.__module__}.{fn.__name__}"]
+    config = dataclasses.replace(args["task_config"], nnodes=nnodes, nproc_per_node=nproc_per_node)
+    outside = FlyteContextManager.current_context().with_compilation_state(None)  # defined inside a workflow, it would take its resolver
+    with FlyteContextManager.with_context(outside):
+        variant = task(**{**args, "task_config": config, "task_resolver": elastic_resolver})(fn)
+    # flytekit prefixes a task's name with the module of the nearest module-level frame that created it: here the
+    # caller's (pytest's or pyflyte's entry point), not the task's own. The variant takes the base task's, so its
+    # name (what the spec registers and the local cache keys on) is the base task's, wherever it is built.
+    variant._instantiated_in = base.instantiated_in
+    return variant
+
+
+class ElasticResolver(TrackedInstance, TaskResolverMixin):
+    """Loads `sized(module.function, nnodes, nproc_per_node)` from the arguments it wrote at serialization."""
+
+    def name(self) -> str:
+        return "ElasticResolver"
+
+    def load_task(self, loader_args: list[str]):
+        _, module, _, name, _, nnodes, _, nproc = loader_args
+        return sized(getattr(importlib.import_module(module), name), int(nnodes), int(nproc))
+
+    def loader_args(self, settings, t) -> list[str]:
+        fn, config = t.task_function, t.task_config
+        return ["task-module", fn.__module__, "task-name", fn.__name__, "nnodes", str(config.nnodes), "nproc-per-node", str(config.nproc_per_node)]
+
+    def get_all_tasks(self) -> list:
+        return []
+
+
+elastic_resolver = ElasticResolver()
