@@ -82,7 +82,7 @@ class TorchTrainer(TrainerBase):
         if self.step:
             torch.save(self.optimizer.state_dict(), Path(ckpt_dir) / "optimizer.pt")
         torch.save(torch.get_rng_state(), Path(ckpt_dir) / "rng.pt")
-        (Path(ckpt_dir) / "trainer_state.json").write_text(json.dumps({"step": self.step, "backend": "torch"}))
+        (Path(ckpt_dir) / "trainer_state.json").write_text(json.dumps({"step": self.step, "backend": "torch", "parallel": {"world_size": _data_parallel()[1]}}))
 
     def export_hf(self, out_dir: str, dtype: str) -> None:
         state = {k: v.detach().to(_DTYPES[dtype]) for k, v in self.model.state_dict().items()}
