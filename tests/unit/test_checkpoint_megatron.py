@@ -1,17 +1,34 @@
-"""HF <-> megatron-core conversion for each supported architecture, with the real megatron-core (CPU, gloo).
+"""HF <-> megatron-core conversion for each supported architecture, with the real megatron-core (CPU, gloo),
+and the reason given for each family megatron does not train.
 
-Each architecture: build the tiny HF model, convert HF -> torch_dist -> HF, compare the weights
-bitwise, and compare megatron's logits with HF's on the same input in fp32.
+Each architecture: build the tiny HF model (sigmoid routers' correction biases set to values that change
+the routing), convert HF -> torch_dist -> HF, compare the weights bitwise, compare megatron's logits with
+HF's on the same input in fp32, and load the exported HF model (a multimodal checkpoint's text model).
 """
 
 import tempfile
 
 import pytest
 
+from miles_core.weights.check import CheckpointError
 from tests.megatron_runs import run_worker
 
 LOGIT_TOLERANCE = 1e-5  # fp32, same weights: only the summation order of the two implementations differs
-ARCHS = ["qwen2", "qwen3", "llama", "qwen3_moe"]
+ARCHS = ["qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe"]
+# every other family of the project, and the words of its reason that name what megatron-core 0.16.1 lacks for it
+REFUSED = {
+    "deepseek_v32": "lightning indexer",
+    "glm_moe_dsa": "lightning indexer",
+    "deepseek_v4": "compressed sparse attention, hyper-connections and hash-routed first MoE layer",
+    "glm5_next": "KDA linear-attention layers",
+    "qwen3_next": "Gated DeltaNet",
+    "qwen3_5": "Gated DeltaNet",
+    "qwen3_5_moe": "Gated DeltaNet",
+    "nemotron_h": "Mamba-2 layers",
+    "minimax_m2": "q/k RMSNorm normalises all heads of a projection together",
+    "llama4": "chunked local attention",
+    "gpt_oss": "sinks",
+}
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +42,7 @@ def test_conversion_round_trip_and_logits(arch, converted):
     result = converted[arch]
     assert result["same_names"] and result["bitwise"], result
     assert result["max_logit_diff"] < LOGIT_TOLERANCE, result
+    assert result["exported_logits_equal"], result  # the exported directory is the same model to transformers
     assert result["logit_scale"] > 0.1  # the logits compared are not all ~0
 
 
@@ -61,5 +79,55 @@ def test_unsupported_model_type_names_the_file(tmp_path):
     from miles_core.checkpoint.hf_megatron import read_arch
 
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    with pytest.raises(ValueError, match=r"config.json: model_type 'gpt2' is not supported"):
+    with pytest.raises(CheckpointError, match=r"config.json: model_type 'gpt2' cannot train on the megatron backend: not a family the megatron"):
         read_arch(tmp_path)
+
+
+def _family_config(arch: str) -> dict:
+    """The config.json of the family's tiny checkpoint (no weights built)."""
+    from miles_core.config import ModelConfig
+    from miles_core.config.model import MIN_LAYERS
+    from miles_core.models.families import FAMILIES, hf_config
+    from miles_core.models.tiny import build_tokenizer, token_ids
+
+    chat = FAMILIES[arch].chat
+    cfg = ModelConfig(arch=arch, hidden_size=64, num_layers=MIN_LAYERS.get(arch, 2), num_experts=4, moe_intermediate_size=32)
+    return hf_config(cfg, token_ids(chat, build_tokenizer(chat))).to_dict()
+
+
+def test_every_family_is_converted_or_refused_by_name():
+    from miles_core.config.model import MODEL_ARCHS
+
+    assert set(MODEL_ARCHS) == set(ARCHS) | set(REFUSED)
+
+
+@pytest.mark.parametrize("arch", sorted(REFUSED))
+def test_a_family_megatron_cannot_train_is_refused_with_its_reason(arch):
+    from miles_core.checkpoint.arch import REFUSALS, arch_spec, megatron_refusal
+
+    config = _family_config(arch)
+    reason = megatron_refusal(config)
+    assert REFUSED[arch] in reason and reason == REFUSALS[arch]
+    with pytest.raises(CheckpointError) as err:
+        arch_spec(config, source="ckpt/config.json")
+    assert str(err.value) == f"ckpt/config.json: model_type {config['model_type']!r} cannot train on the megatron backend: {reason}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_family_megatron_trains_has_no_refusal(arch):
+    from miles_core.checkpoint.arch import megatron_refusal
+
+    assert megatron_refusal(_family_config(arch)) is None
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"norm_topk_prob": False}, "always renormalises a sigmoid router's top-k weights"),
+        ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 8, "n_routed_experts": 16}, "by its top num_experts_per_tok // topk_group (4)"),
+    ],
+)
+def test_a_deepseek_setting_megatron_computes_differently_is_refused(change, words):
+    from miles_core.checkpoint.arch import megatron_refusal
+
+    assert words in megatron_refusal({**_family_config("deepseek_v3"), **change})
