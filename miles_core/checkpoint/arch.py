@@ -126,11 +126,19 @@ def text_config(config: dict) -> dict:
 
 
 def _rope(text: dict) -> dict:
-    return text.get("rope_parameters") or text.get("rope_scaling") or {}
+    """RoPE settings as transformers 5 states them (`rope_parameters`) or as published configs do (`rope_scaling` with `type`)."""
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
+    return rope
 
 
 def _value_refusal(kind: str, text: dict) -> str | None:
     """Why a mapped family's config asks for something megatron-core 0.16.1 computes differently, if it does."""
+    rope, rotaries = _rope(text), ("default", "yarn") if kind == "deepseek_v3" else ("default",)
+    if rope["rope_type"] not in rotaries:
+        return f"rope_type {rope['rope_type']!r}: the conversion maps {' and '.join(rotaries)} RoPE for {kind}"
+    if rope["rope_type"] == "yarn" and rope.get("truncate") is False:
+        return "YaRN with truncate false: megatron-core 0.16.1 always rounds the correction range"
     if kind not in ("deepseek_v3", "glm4_moe"):
         return None
     top_k, groups, group_top_k = text.get("num_experts_per_tok", 1), text.get("n_group") or 1, text.get("topk_group") or 1
@@ -138,10 +146,6 @@ def _value_refusal(kind: str, text: dict) -> str | None:
         return "norm_topk_prob false: megatron-core 0.16.1 always renormalises a sigmoid router's top-k weights"
     if 1 < groups and group_top_k < groups and top_k // group_top_k != 2:
         return f"grouped routing scores each group by its top-2 experts, megatron-core 0.16.1 by its top num_experts_per_tok // topk_group ({top_k // group_top_k})"
-    if _rope(text).get("rope_type") == "yarn" and _rope(text).get("truncate") is False:
-        return "YaRN with truncate false: megatron-core 0.16.1 always rounds the correction range"
-    if _rope(text).get("rope_type", "default") not in ("default", "yarn"):
-        return f"rope_type {_rope(text)['rope_type']!r}: the conversion maps default RoPE and YaRN only"
     return None
 
 

@@ -131,3 +131,98 @@ def test_a_deepseek_setting_megatron_computes_differently_is_refused(change, wor
     from miles_core.checkpoint.arch import megatron_refusal
 
     assert words in megatron_refusal({**_family_config("deepseek_v3"), **change})
+
+
+# as published on the model cards (deepseek-ai/DeepSeek-V3, zai-org/GLM-4.5): RoPE in the `rope_scaling` form of
+# their config.json, settings the spec reads and the sizes it keeps
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "tie_word_embeddings": False,
+}
+GLM4_5 = {
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "head_dim": 128,
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1536,
+    "n_group": 1,
+    "n_routed_experts": 160,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 92,
+    "num_key_value_heads": 8,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "use_qk_norm": True,
+    "vocab_size": 151552,
+    "first_k_dense_replace": 3,
+}
+
+
+def test_the_published_deepseek_v3_config_reads_as_mla_with_grouped_sigmoid_routing_and_yarn():
+    from miles_core.checkpoint.arch import MLA, Yarn, arch_spec
+
+    spec = arch_spec(DEEPSEEK_V3)
+    assert spec.mla == MLA(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    assert spec.yarn == Yarn(factor=40, original_max_positions=4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+    assert (spec.num_experts, spec.moe_top_k, spec.moe_groups, spec.moe_group_top_k) == (256, 8, 8, 4)
+    assert (spec.moe_sigmoid, spec.moe_renormalize, spec.moe_scaling, spec.moe_shared_ffn_hidden_size, spec.dense_layers) == (True, True, 2.5, 2048, 3)
+    assert [spec.is_moe_layer(i) for i in (0, 2, 3, 60)] == [False, False, True, True]
+
+
+def test_the_published_glm4_5_config_reads_as_half_rotary_gqa_with_qk_norms_and_shared_experts():
+    from miles_core.checkpoint.arch import arch_spec
+
+    spec = arch_spec(GLM4_5)
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rotary_fraction, spec.rope_theta) == (96, 8, 128, 0.5, 1e6)
+    assert spec.qkv_bias and spec.qk_norm and spec.mla is None and spec.yarn is None
+    assert (spec.num_experts, spec.moe_groups, spec.moe_shared_ffn_hidden_size, spec.dense_layers) == (160, 0, 1536, 3)
+
+
+def test_a_rotary_scaling_the_conversion_does_not_map_is_refused():
+    from miles_core.checkpoint.arch import megatron_refusal
+
+    llama3 = {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    assert megatron_refusal(llama3) == "rope_type 'llama3': the conversion maps default RoPE for llama"
+    assert "always rounds the correction range" in megatron_refusal({**DEEPSEEK_V3, "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "truncate": False}})
