@@ -14,7 +14,8 @@ joined (HF -> megatron) and split (megatron -> HF), so both directions read the 
   kv_a_proj_with_mqa/kv_b -> linear_kv_down/up_proj and their norms; megatron-core splits heads into
   no-RoPE and RoPE parts in HF's order and de-interleaves the RoPE part as HF's `rope_interleave` does.
 * gate/up projections (SwiGLU) fuse into `linear_fc1` as [gate; up]; experts and shared experts likewise.
-  A sigmoid router's `e_score_correction_bias` is megatron's `router.expert_bias` buffer.
+  A sigmoid router's `e_score_correction_bias` is megatron's `router.expert_bias` buffer (fp32 in both, and
+  in every published dtype: `keeps_fp32`).
 * The vocabulary is padded with zero rows to a multiple of VOCAB_PAD_MULTIPLE, independent of the
   TP size so one checkpoint loads at any TP; the padding is cut on the way back.
 * Tied embeddings have no `output_layer`; untied ones map `lm_head` to it.
@@ -35,7 +36,7 @@ import torch
 
 from miles_core.checkpoint.arch import ARCHS, MULTIMODAL, VOCAB_PAD_MULTIPLE, ArchSpec, arch_spec, megatron_refusal, text_config
 
-__all__ = ["ARCHS", "VOCAB_PAD_MULTIPLE", "ArchSpec", "arch_spec", "export_config", "hf_to_megatron", "megatron_refusal", "megatron_to_hf"]
+__all__ = ["ARCHS", "VOCAB_PAD_MULTIPLE", "ArchSpec", "arch_spec", "export_config", "hf_to_megatron", "keeps_fp32", "megatron_refusal", "megatron_to_hf"]
 # multimodal model_type -> (prefix of its text model's tensors, renamings inside it as checkpoints spell them)
 TEXT_WEIGHTS = {"kimi_k25": ("language_model.", (("model.blocks.", "model.layers."),))}
 _TEXT_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -50,6 +51,12 @@ def read_hf_config(hf_dir: str | Path) -> dict:
 
 def read_arch(hf_dir: str | Path) -> ArchSpec:
     return arch_spec(read_hf_config(hf_dir))
+
+
+def keeps_fp32(spec: ArchSpec, hf_name: str) -> bool:
+    """A sigmoid router's weight and correction bias stay fp32 in any published dtype, as transformers keeps them
+    (`_keep_in_fp32_modules_strict`) and megatron keeps the bias: rounding the bias would change which experts win."""
+    return spec.moe_sigmoid and hf_name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
 
 
 def export_config(hf_config: dict) -> dict:

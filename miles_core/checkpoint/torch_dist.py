@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from miles_core.checkpoint.hf_megatron import ArchSpec, export_config, hf_to_megatron, megatron_to_hf, read_arch, read_hf_config
+from miles_core.checkpoint.hf_megatron import ArchSpec, export_config, hf_to_megatron, keeps_fp32, megatron_to_hf, read_arch, read_hf_config
 from miles_core.train.megatron.model import Parallel, build_model, init_parallel
 
 MODEL_DIR = "model"
@@ -168,8 +168,8 @@ def load_megatron_model(ckpt_dir: str | Path, parallel: Parallel = Parallel(), s
 
 def write_hf(spec: ArchSpec, full: dict[str, torch.Tensor], hf_config: dict, out_dir: str | Path, dtype: str) -> None:
     """An HF safetensors directory (model.safetensors + config.json) from an unsharded GPTModel state (a multimodal
-    checkpoint's text model: what megatron trains)."""
-    hf = {k: v.to(_DTYPES[dtype]).contiguous() for k, v in megatron_to_hf(spec, full).items()}
+    checkpoint's text model: what megatron trains), in `dtype` but for the tensors HF keeps in fp32."""
+    hf = {k: v.to(torch.float32 if keeps_fp32(spec, k) else _DTYPES[dtype]).contiguous() for k, v in megatron_to_hf(spec, full).items()}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     save_file(hf, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
     (Path(out_dir) / "config.json").write_text(json.dumps({**export_config(hf_config), "dtype": dtype}, indent=2))

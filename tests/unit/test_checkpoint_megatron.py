@@ -226,3 +226,24 @@ def test_a_rotary_scaling_the_conversion_does_not_map_is_refused():
     llama3 = {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
     assert megatron_refusal(llama3) == "rope_type 'llama3': the conversion maps default RoPE for llama"
     assert "always rounds the correction range" in megatron_refusal({**DEEPSEEK_V3, "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "truncate": False}})
+
+
+def test_a_bf16_export_keeps_the_sigmoid_routers_in_fp32(tmp_path):
+    """The correction bias decides which experts win: published in bf16 it would route differently from the trainer."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from miles_core.checkpoint.hf_megatron import hf_to_megatron, read_arch
+    from miles_core.checkpoint.torch_dist import read_hf_state, write_hf
+    from miles_core.config import ModelConfig
+    from miles_core.models.tiny import build_tiny_model
+
+    build_tiny_model(ModelConfig(arch="deepseek_v3", hidden_size=64, num_layers=2, num_experts=4, moe_intermediate_size=32), tmp_path / "hf")
+    spec, hf = read_arch(tmp_path / "hf"), read_hf_state(tmp_path / "hf")
+    write_hf(spec, hf_to_megatron(spec, hf), json.loads((tmp_path / "hf/config.json").read_text()), tmp_path / "out", "bfloat16")
+    out = load_file(str(tmp_path / "out/model.safetensors"))
+    fp32 = {name for name, t in out.items() if t.dtype == torch.float32}
+    assert fp32 == {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    assert all(t.dtype == torch.bfloat16 for name, t in out.items() if name not in fp32)
