@@ -1,5 +1,5 @@
 """The megatron backend on gloo with real megatron-core: TP/PP/EP parity, resharding, MoE, router replay,
-one RL step on each MLA / DeepSeek-style MoE family (DeepSeek-V3 at EP=2, Kimi-K2.5, GLM-4.5), and the
+one RL step on each MLA / DeepSeek-style MoE family (DeepSeek-V3 at EP=2 and PP=2, Kimi-K2.5, GLM-4.5), and the
 CPU compatibility layer (every redirection it installs fires on these paths, none is missing).
 
 One module-scoped set of runs from converted tiny checkpoints; each test reads its part.
@@ -40,6 +40,7 @@ def parallel_runs(root: Path) -> dict:
     }
     for arch, ep in FAMILIES.items():
         out[arch] = run_worker("step", root, root / arch / "mg", 1, ep, root / f"{arch}-step", nproc=2 if ep > 1 else 0)
+    out["deepseek_v3_pp2"] = run_worker("step", root, root / "deepseek_v3/mg", 1, 1, root / "deepseek_v3-pp2", 2, nproc=2)
     out["reloaded"] = run_worker("loss", root, root / "tp2", root / "pp2", root / "ep2")["losses"]
     out["families_reloaded"] = run_worker("loss", root, *(root / f"{arch}-step" for arch in FAMILIES))["losses"]
     return out
@@ -81,6 +82,14 @@ def test_each_mla_and_deepseek_moe_family_takes_an_rl_step(runs, arch):
     assert math.isfinite(step["train_loss"]) and 0 < step["grad_norm"] < math.inf
     assert abs(step["loss_after"] - step["loss_before"]) > 1e-3
     assert runs["families_reloaded"][list(FAMILIES).index(arch)] == pytest.approx(step["loss_after"], abs=SAME)
+
+
+def test_deepseek_v3_trains_the_same_split_by_experts_or_by_pipeline_stages(runs):
+    """EP=2 against PP=2 (the dense first layer on one stage, the MoE layer with its shared expert on the other)."""
+    ep2, pp2 = runs["deepseek_v3"], runs["deepseek_v3_pp2"]
+    for key in ("loss_before", "train_loss", "loss_after"):
+        assert pp2[key] == pytest.approx(ep2[key], abs=SAME), key
+    assert pp2["grad_norm"] == pytest.approx(ep2["grad_norm"], abs=1e-4)
 
 
 def test_router_replay_reproduces_the_loss(runs):
