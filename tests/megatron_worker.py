@@ -79,27 +79,45 @@ def convert(root: Path, *archs: str) -> dict:
     return {arch: convert_one(root / arch, arch) for arch in archs}
 
 
+def _with_routing_bias(hf_dir: Path) -> None:
+    """Give the sigmoid routers' correction biases (zeros in a fresh model) values that change which experts win."""
+    from safetensors.torch import load_file, save_file
+
+    path = hf_dir / "model.safetensors"
+    state, g = load_file(str(path)), torch.Generator().manual_seed(2)
+    biases = [k for k in state if k.endswith("e_score_correction_bias")]
+    for name in biases:
+        state[name] = torch.randn(state[name].shape, generator=g) * 0.1
+    if biases:
+        save_file(state, str(path), metadata={"format": "pt"})
+
+
 def convert_one(root: Path, arch: str) -> dict:
-    import transformers
     from safetensors.torch import load_file
 
+    from miles_core.checkpoint.hf_megatron import text_weights
     from miles_core.checkpoint.torch_dist import hf_to_torch_dist, load_megatron_model, torch_dist_to_hf
+    from miles_core.models import load_causal_lm
     from miles_core.train.megatron.logits import positions
 
     build_tiny_model(ModelConfig(arch=arch, **TINY), root / "hf")
+    _with_routing_bias(root / "hf")
     hf_to_torch_dist(root / "hf", root / "mg")
     torch_dist_to_hf(root / "mg", root / "back")
-    before, after = load_file(str(root / "hf/model.safetensors")), load_file(str(root / "back/model.safetensors"))
     model, spec = load_megatron_model(root / "mg")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    before, after = text_weights(spec, load_file(str(root / "hf/model.safetensors"))), load_file(str(root / "back/model.safetensors"))
+    reference = load_causal_lm(str(root / "hf"), torch.float32).eval()
+    exported = load_causal_lm(str(root / "back"), torch.float32).eval()
     ids = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
         got = model.eval()(input_ids=ids, position_ids=positions(ids), attention_mask=None)[..., : spec.vocab_size]
+        again = exported(input_ids=ids).logits
     return {
         "same_names": sorted(before) == sorted(after),
         "bitwise": all(torch.equal(before[k], after[k]) for k in before),
         "max_logit_diff": float((expected - got).abs().max()),
+        "exported_logits_equal": torch.equal(expected, again),
         "logit_scale": float(expected.abs().max()),
     }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from miles_core.checkpoint.arch import megatron_refusal
 from miles_core.config.base import ConfigError
 from miles_core.config.model import DENSE_ARCHS
 
@@ -95,8 +96,14 @@ RULES: tuple[Rule, ...] = (
     _torch_ignores("pipeline_parallel", 1),
     _torch_ignores("expert_parallel", 1),
     Rule(
+        "model.arch",
+        lambda c: _megatron(c) and not c.model.path,
+        lambda c: megatron_refusal({"model_type": c.model.arch}) is None,
+        lambda c: f"{c.model.arch!r} cannot train on the megatron backend: {megatron_refusal({'model_type': c.model.arch})}; use train.backend: torch",
+    ),
+    Rule(
         "train.tensor_parallel",
-        lambda c: _megatron(c) and not c.model.path and c.model.arch == "qwen3_moe",
+        lambda c: _megatron(c) and not c.model.path and c.model.arch not in DENSE_ARCHS,
         lambda c: c.train.tensor_parallel == 1,
         lambda c: (
             "megatron-core 0.16.1 trains MoE layers at tensor parallel > 1 only with sequence parallel, which the megatron backend "

@@ -102,7 +102,7 @@ def test_an_architecture_megatron_cannot_train_is_refused_for_megatron_only(tmp_
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     admit(tmp_path, TrainConfig())  # the torch backend trains what transformers builds
-    with pytest.raises(CheckpointError, match=r"config.json: model_type 'gpt2' is not supported by the megatron conversion .*train.backend: megatron"):
+    with pytest.raises(CheckpointError, match=r"config.json: model_type 'gpt2' cannot train on the megatron backend: not a family .*train.backend: megatron"):
         admit(tmp_path, MEGATRON_TP2)
 
 
