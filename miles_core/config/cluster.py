@@ -38,7 +38,9 @@ class ClusterConfig:
     publish_timeout_min: int = 60
     evaluate_timeout_min: int = 120
     async_timeout_min: int = 720  # a whole async phase of async_phase.steps_per_phase steps
-    max_restarts: int = 0  # torch elastic restarts of a failed worker group (train, convert, publish) before the task fails
+    # torch elastic restarts of the worker group (train, convert, publish) before the task fails; any worker's failure
+    # restarts it, a bug's too, so a small number: it is for the worker lost with its node mid-step
+    max_restarts: int = 0
     rdzv_timeout_s: int = 900  # torch elastic rendezvous: how long the nodes of a multi-node task wait for each other
     rdzv_join_timeout_s: int = 900  # ... and for a late node to join (pods start at different times)
     block_iterations: int = 20  # iterations per dynamic sub-node of the loop (the futures file of one block)
