@@ -16,6 +16,8 @@ from miles_core.data.source import load_prompts
 from miles_core.models.source import admit, fetch_base
 from miles_core.storage import artifact_path, atomic_file, sha256_file
 from tasks.common import Dataset, Policy, cache_version, lasting_dir, lasting_file
+from tasks.metadata import MEDIUM, cached, declared
+from tasks.retry import recoverable
 
 
 def _download(uri: str, local: str) -> None:
@@ -23,7 +25,8 @@ def _download(uri: str, local: str) -> None:
     flytekit.current_context().file_access.get_data(uri, local, is_multipart=True)
 
 
-@task(cache=True, cache_version=cache_version(ModelConfig, module=__name__), container_image=cpu_image)
+@task(**cached(cache_version(ModelConfig, module=__name__)), container_image=cpu_image, **declared("base_model", MEDIUM, minutes=240))
+@recoverable
 def base_model(cfg: ModelConfig, root: str) -> Policy:
     """The base policy as version 0: the checkpoint model.path names, or the tiny model; its source and digest in source.json."""
     out = artifact_path(root, "base", 0, cfg)
@@ -32,7 +35,8 @@ def base_model(cfg: ModelConfig, root: str) -> Policy:
     return Policy(dir=lasting_dir(out), version=0)
 
 
-@task(cache=True, cache_version=cache_version(TrainConfig, module=__name__), container_image=cpu_image)
+@task(**cached(cache_version(TrainConfig, module=__name__)), container_image=cpu_image, **declared("admit_model", MEDIUM, minutes=60))
+@recoverable
 def admit_model(base: Policy, train: TrainConfig) -> Policy:
     """The base policy, once the boundary check passed (whole weights, fitting tokenizer, an architecture and
     shape the trainer backend takes); every later stage starts from this output, so a refusal comes first."""
@@ -40,7 +44,8 @@ def admit_model(base: Policy, train: TrainConfig) -> Policy:
     return base
 
 
-@task(cache=True, cache_version=cache_version(DataConfig, module=__name__), container_image=cpu_image)
+@task(**cached(cache_version(DataConfig, module=__name__)), container_image=cpu_image, **declared("make_data", MEDIUM, minutes=60))
+@recoverable
 def make_data(cfg: DataConfig, root: str) -> Dataset:
     """The problem set's splits, or the user's prompt files checked row by row and copied in."""
     out = artifact_path(root, "data", 0, cfg)

@@ -99,6 +99,18 @@ CASES = [
         "async_phase.sync_iterations: must be < iterations (3)",
         {"iterations": 4},
     ),
+    (
+        "accelerator_cpu",
+        {"cluster.accelerator": "nvidia-h100"},
+        "cluster.accelerator: 'nvidia-h100' is the type of the GPUs a pod asks for, and this recipe asks for none",
+        {"train.gpus_per_node": 2},
+    ),
+    (
+        "async_take_timeout",
+        {**ASYNC, "cluster.async_timeout_min": 10},
+        "async_phase.take_timeout_s: must be below cluster.async_timeout_min (10 min)",
+        {"async_phase.take_timeout_s": 300.0},
+    ),
 ]
 
 
