@@ -65,11 +65,12 @@ REFUSED = {
     "kimi_k25": _NO_PROCESSOR,
     "llama4": (
         r"expected m1 and m2 to have the same dtype, but got: c10::BFloat16 != float",
-        "Llama 4's QK norm casts q and k to bfloat16 (models/llama4.py), so an fp32 server fails",
+        "Llama 4's QK norm casts q and k to bfloat16 (models/llama4.py), so an fp32 server fails; a bfloat16 one fails next in the CPU MoE, "
+        "which does not apply router weights to the input (moe_forward_native: NotImplementedError)",
     ),
     "gpt_oss": (
         r"The size of tensor a \(64\) must match the size of tensor b \(32\) at non-singleton dimension 2",
-        "the unquantized expert loader fails on a down_proj whose expert width (32) differs from the hidden size (64); published gpt-oss has both 2880",
+        "the CPU loader of unquantized gpt-oss experts copies them in a layout its buffers do not have (down_proj here; gate_up_proj next when widths are equal)",
     ),
     "minimax_m2": (r"assert x1\.is_cuda and x2\.is_cuda", "MiniMax-M2's QK norm is a CUDA-only kernel (rms_sumsq_serial)"),
     "nemotron_h": (
