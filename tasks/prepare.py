@@ -10,7 +10,7 @@ import flytekit
 from flytekit import task
 
 from containers.images import cpu_image
-from miles_core.config import DataConfig, ModelConfig, TrainConfig
+from miles_core.config import DataConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.data.problems import make_problem_set, write_jsonl
 from miles_core.data.source import load_prompts
 from miles_core.models.source import admit, fetch_base
@@ -35,12 +35,12 @@ def base_model(cfg: ModelConfig, root: str) -> Policy:
     return Policy(dir=lasting_dir(out), version=0)
 
 
-@task(**cached(cache_version(TrainConfig, module=__name__)), container_image=cpu_image, **declared("admit_model", MEDIUM, minutes=60))
+@task(**cached(cache_version(TrainConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("admit_model", MEDIUM, minutes=60))
 @recoverable
-def admit_model(base: Policy, train: TrainConfig) -> Policy:
+def admit_model(base: Policy, train: TrainConfig, rollout: RolloutConfig) -> Policy:
     """The base policy, once the boundary check passed (whole weights, fitting tokenizer, an architecture and
-    shape the trainer backend takes); every later stage starts from this output, so a refusal comes first."""
-    admit(base.dir.path, train)
+    shape the trainer backend and the rollout engine take); every later stage starts from this output, so a refusal comes first."""
+    admit(base.dir.path, train, rollout)
     return base
 
 

@@ -100,7 +100,7 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
 
 @workflow
 def rl(cfg: RunConfig = RunConfig()) -> Report:  # noqa: B008 (the workflow's default input, frozen)
-    base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train)
+    base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train, rollout=cfg.rollout)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
     before = evaluate_start(cfg=cfg, start=start, dataset=dataset)

@@ -5,7 +5,8 @@ is launched on it (one per family: each holds its own model), a few chat prompts
 through SGLangEngine, and the log-probs SGLang reports for its tokens are compared with the torch
 trainer's on the same tokens (fp32 on both sides).
 
-A family SGLang cannot serve at tiny size on CPU is in REFUSED with the error it stops with; its test
+A family SGLang cannot serve at tiny size on CPU is in REFUSED (miles_core/rollout/engines/sglang_families.py, which
+admission reads) with the error it stops with; its test
 launches the server and asserts that exactly that refusal still happens, so the test fails (and the
 table must shrink) once SGLang or the stand-ins serve it.
 
@@ -25,6 +26,7 @@ from miles_core.config import SGLangConfig, TrainConfig
 from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engines.sglang import SGLangEngine
+from miles_core.rollout.engines.sglang_families import CPU_REFUSALS
 from miles_core.rollout.engines.sglang_server import SGLangError
 from miles_core.samples import Sample
 from miles_core.train.base import pack
@@ -42,42 +44,7 @@ HYBRID = "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule"  # 
 # launch_server arguments a family needs on CPU beyond the engine's own
 SERVE_ARGS = dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe"), HYBRID)
 
-# family -> (what SGLang 0.5.23 stops with when serving it at tiny size on CPU, why)
-_DSA = (r"Found no NVIDIA driver", "DeepSeek sparse attention's set-up asks torch.cuda for the device capability; it has no CPU path")
-# SGLang loads the image processor of every multimodal checkpoint (the tiny ones have none) and its
-# --language-model-only (serve the text model alone) supports only DeepSeek-V4 and a few others
-_NO_PROCESSOR = (r"Can't load image processor", "a vision-language checkpoint needs its image processor, even to be served for text")
-REFUSED = {
-    "deepseek_v3": (
-        r"Expected size for first two dimensions of batch2 tensor to be: \[4, 24\] but got: \[4, 40\]",
-        "the CPU attention backend (torch_native: no AMX here) reads keys from the MLA latent cache in DeepSeek's MHA prefill path",
-    ),
-    "deepseek_v32": _DSA,
-    "glm_moe_dsa": _DSA,
-    "glm5_next": _DSA,
-    "deepseek_v4": (
-        r"has no attribute 'compress_ratios'",
-        "SGLang reads the published per-layer compress_ratios (each 0, 1, 2, 4 or 128), transformers writes compress_rates by layer kind",
-    ),
-    "qwen3_next": (r"No module named 'sgl_kernel.mamba'", "the CPU Gated DeltaNet needs sgl_kernel.mamba's CPU kernels (causal conv1d, chunked delta rule)"),
-    "qwen3_5": _NO_PROCESSOR,
-    "qwen3_5_moe": _NO_PROCESSOR,
-    "kimi_k25": _NO_PROCESSOR,
-    "llama4": (
-        r"expected m1 and m2 to have the same dtype, but got: c10::BFloat16 != float",
-        "Llama 4's QK norm casts q and k to bfloat16 (models/llama4.py), so an fp32 server fails; a bfloat16 one fails next in the CPU MoE, "
-        "which does not apply router weights to the input (moe_forward_native: NotImplementedError)",
-    ),
-    "gpt_oss": (
-        r"The size of tensor a \(64\) must match the size of tensor b \(32\) at non-singleton dimension 2",
-        "the CPU loader of unquantized gpt-oss experts copies them in a layout its buffers do not have (down_proj here; gate_up_proj next when widths are equal)",
-    ),
-    "minimax_m2": (r"assert x1\.is_cuda and x2\.is_cuda", "MiniMax-M2's QK norm is a CUDA-only kernel (rms_sumsq_serial)"),
-    "nemotron_h": (
-        r"layers_block_type contains invalid types",
-        "SGLang's NemotronHConfig reads the published kinds (mamba, moe, attention); transformers writes linear_attention and full_attention",
-    ),
-}
+REFUSED = CPU_REFUSALS  # family -> (what SGLang 0.5.23 stops with when serving it at tiny size on CPU, why)
 
 
 def family_params(families) -> list:
