@@ -92,6 +92,32 @@ def _with_routing_bias(hf_dir: Path) -> None:
         save_file(state, str(path), metadata={"format": "pt"})
 
 
+def _tiny_glm4_moe_lite(out: Path) -> None:
+    """GLM-4.7-Flash's architecture (DeepSeek-V3's MLA and experts, dense layers by mlp_layer_types) at TINY's sizes with
+    the MLA head split of the tiny deepseek_v3: the megatron backend maps it, the project has no tiny family of it."""
+    import transformers
+
+    from miles_core.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    mla = {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+    experts = {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.8}
+    config = transformers.Glm4MoeLiteConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        pad_token_id=0,
+        **sizes,
+        **mla,
+        **experts,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.Glm4MoeLiteForCausalLM(config).float().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def convert_one(root: Path, arch: str) -> dict:
     from safetensors.torch import load_file
 
@@ -100,7 +126,10 @@ def convert_one(root: Path, arch: str) -> dict:
     from miles_core.models import load_causal_lm
     from miles_core.train.megatron.logits import positions
 
-    build_tiny_model(ModelConfig(arch=arch, **TINY), root / "hf")
+    if arch == "glm4_moe_lite":
+        _tiny_glm4_moe_lite(root / "hf")
+    else:
+        build_tiny_model(ModelConfig(arch=arch, **TINY), root / "hf")
     _with_routing_bias(root / "hf")
     hf_to_torch_dist(root / "hf", root / "mg")
     torch_dist_to_hf(root / "mg", root / "back")

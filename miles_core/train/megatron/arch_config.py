@@ -1,7 +1,7 @@
 """megatron-core's TransformerConfig, layer specs and rotary options for an ArchSpec (one place per family feature).
 
 * Dense GQA families: TransformerConfig with the fused q/k/v of the local layer spec.
-* Multi-latent attention (DeepSeek-V3, Kimi-K2.5): MLATransformerConfig and the local spec's
+* Multi-latent attention (DeepSeek-V3, Kimi-K2.5, GLM-4.7-Flash): MLATransformerConfig and the local spec's
   MLASelfAttention; RoPE or YaRN inside the attention, as megatron-core computes MLA's RoPE itself.
 * Partial rotary heads (GLM-4.5): the GPTModel's rotary_percent.
 * MoE: softmax top-k (Qwen3-MoE) or sigmoid scores with the correction bias as `expert_bias`
@@ -42,7 +42,7 @@ def _moe(spec: ArchSpec, routing_replay: bool) -> dict:
         moe_router_load_balancing_type="none",
         moe_enable_routing_replay=routing_replay,
         moe_router_dtype="fp32",
-        moe_layer_freq=[0 if i < spec.dense_layers else 1 for i in range(spec.num_layers)],
+        moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
     )
     if not spec.moe_sigmoid:  # Qwen3-MoE: softmax over all experts, then top-k, unless renormalised
         return moe | dict(moe_router_pre_softmax=not spec.moe_renormalize)
@@ -118,12 +118,12 @@ def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype, routing_rep
 
 
 def _latent_core_attention(layer):
-    """An MLA layer spec with the core attention that takes MLA's head sizes (mla_attention.py)."""
-    from miles_core.train.megatron.mla_attention import LatentDotProductAttention
+    """An MLA layer spec with the core attention that takes MLA's head sizes and HF's latent norms (mla_attention.py)."""
+    from miles_core.train.megatron.mla_attention import LatentDotProductAttention, LatentRMSNorm
 
     attention = layer.submodules.self_attention
-    attention = replace(attention, submodules=replace(attention.submodules, core_attention=LatentDotProductAttention))
-    return replace(layer, submodules=replace(layer.submodules, self_attention=attention))
+    parts = replace(attention.submodules, core_attention=LatentDotProductAttention, q_layernorm=LatentRMSNorm, kv_layernorm=LatentRMSNorm)
+    return replace(layer, submodules=replace(layer.submodules, self_attention=replace(attention, submodules=parts)))
 
 
 def layer_spec(spec: ArchSpec, config):
