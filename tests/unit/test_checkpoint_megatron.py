@@ -14,8 +14,8 @@ from miles_core.weights.check import CheckpointError
 from tests.megatron_runs import run_worker
 
 LOGIT_TOLERANCE = 1e-5  # fp32, same weights: only the summation order of the two implementations differs
-ARCHS = ["qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe", "glm4_moe_lite"]
-BUILT_BY_THE_WORKER = {"glm4_moe_lite"}  # no tiny family of the project: tests/megatron_worker.py builds it
+ARCHS = ["qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k25", "glm4_moe", "glm4_moe_lite"]
+BUILT_BY_THE_WORKER = {"deepseek_v2", "glm4_moe_lite"}  # no tiny family of the project: tests/megatron_worker.py builds it
 FAMILY_ARCHS = [arch for arch in ARCHS if arch not in BUILT_BY_THE_WORKER]
 # every other family of the project, and the words of its reason that name what megatron-core 0.16.1 lacks for it
 REFUSED = {
@@ -131,7 +131,7 @@ def test_a_family_megatron_trains_has_no_refusal(arch):
         ({"rope_interleave": False}, "always de-interleaves the RoPE part of each head"),
     ],
 )
-def test_a_deepseek_setting_megatron_computes_differently_is_refused(change, words):
+def test_a_deepseek_v3_setting_megatron_computes_differently_is_refused(change, words):
     from miles_core.checkpoint.arch import megatron_refusal
 
     assert words in megatron_refusal({**_family_config("deepseek_v3"), **change})
@@ -251,3 +251,22 @@ def test_a_bf16_export_keeps_the_sigmoid_routers_in_fp32(tmp_path):
     fp32 = {name for name, t in out.items() if t.dtype == torch.float32}
     assert fp32 == {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
     assert all(t.dtype == torch.bfloat16 for name, t in out.items() if name not in fp32)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({}, None),
+        ({"topk_method": "greedy", "n_group": 8, "topk_group": 3}, None),
+        ({"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}, "by its top num_experts_per_tok // topk_group (2)"),
+        ({"mlp_bias": True}, "the conversion maps MLPs without biases"),
+        ({"topk_method": "noaux_tc"}, "routes greedy or group_limited_greedy only"),
+    ],
+)
+def test_deepseek_v2_routing_is_mapped_as_transformers_runs_it_or_refused(change, words):
+    """DeepSeek-V2 as published (V2: group-limited greedy top-6 of 3 groups; V2-Lite: greedy, no low-rank queries)."""
+    from miles_core.checkpoint.arch import megatron_refusal
+
+    v2 = {"model_type": "deepseek_v2", "num_experts_per_tok": 6, "q_lora_rank": None, "n_routed_experts": 64, "topk_method": "greedy", **change}
+    reason = megatron_refusal(v2)
+    assert reason is None if words is None else words in reason
