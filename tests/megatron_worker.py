@@ -92,6 +92,52 @@ def _with_routing_bias(hf_dir: Path) -> None:
         save_file(state, str(path), metadata={"format": "pt"})
 
 
+# families the megatron backend maps that have no tiny family in the project: their transformers classes at TINY's
+# sizes, with the MLA head split of the tiny deepseek_v3
+_MLA = {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+BUILT_HERE = {
+    # GLM-4.7-Flash: DeepSeek-V3's layers, dense layers named by mlp_layer_types, rms_norm_eps 1e-5
+    "glm4_moe_lite": ("Glm4MoeLite", {**_MLA, "q_lora_rank": 48, "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.8}),
+    # DeepSeek-V2(-Lite): queries without a low-rank projection, softmax routing limited to the best expert of 2 of 4 groups
+    "deepseek_v2": (
+        "DeepseekV2",
+        {
+            **_MLA,
+            "q_lora_rank": None,
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "topk_method": "group_limited_greedy",
+            "routed_scaling_factor": 1.5,
+        },
+    ),
+}
+
+
+def _tiny_built_here(arch: str, out: Path) -> None:
+    import transformers
+
+    from miles_core.models.tiny import build_tokenizer
+
+    name, fields = BUILT_HERE[arch]
+    tokenizer = build_tokenizer()
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        pad_token_id=0,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        **sizes,
+        **fields,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        getattr(transformers, f"{name}ForCausalLM")(config).float().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def convert_one(root: Path, arch: str) -> dict:
     from safetensors.torch import load_file
 
@@ -100,7 +146,10 @@ def convert_one(root: Path, arch: str) -> dict:
     from miles_core.models import load_causal_lm
     from miles_core.train.megatron.logits import positions
 
-    build_tiny_model(ModelConfig(arch=arch, **TINY), root / "hf")
+    if arch in BUILT_HERE:
+        _tiny_built_here(arch, root / "hf")
+    else:
+        build_tiny_model(ModelConfig(arch=arch, **TINY), root / "hf")
     _with_routing_bias(root / "hf")
     hf_to_torch_dist(root / "hf", root / "mg")
     torch_dist_to_hf(root / "mg", root / "back")

@@ -4,8 +4,10 @@
 builder (miles_core/train/megatron/arch_config.py) need, for the families megatron-core 0.16.1 builds
 on its local layer spec here: Qwen2, Qwen3, Llama (dense GQA), Qwen3-MoE, DeepSeek-V3 (multi-latent
 attention, shared experts, dense first layers, sigmoid routing with a correction bias, grouped top-k,
-YaRN), Kimi-K2.5 (its DeepSeek-V3 text model; the vision tower is not trained) and GLM-4.5 (GQA with
-biased projections, half-rotary heads, optional q/k norms, DeepSeek-style experts).
+YaRN), Kimi-K2.5 (its DeepSeek-V3 text model; the vision tower is not trained), GLM-4.5 (GQA with
+biased projections, half-rotary heads, optional q/k norms, DeepSeek-style experts) and GLM-4.7-Flash
+(`glm4_moe_lite`: DeepSeek-V3's layers, its dense layers named by `mlp_layer_types`), and DeepSeek-V2
+(MLA, queries with or without a low-rank projection, softmax-routed DeepSeek experts as transformers runs them).
 `megatron_refusal(config)` gives every other family's reason in one sentence; `arch_spec` raises it
 as a CheckpointError naming the file and the model_type, so a run is refused before any compute.
 """
@@ -18,7 +20,9 @@ from dataclasses import dataclass
 from miles_core.weights.check import CheckpointError
 
 VOCAB_PAD_MULTIPLE = 128  # megatron's make_vocab_size_divisible_by default; divisible by any TP <= 128
-ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe")  # config.json model_type
+ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k25", "glm4_moe", "glm4_moe_lite")  # config.json model_type
+MLA_ARCHS = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # multi-latent attention with DeepSeek-style experts
+SIGMOID_ARCHS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # sigmoid routers with e_score_correction_bias
 MULTIMODAL = {"kimi_k25": "deepseek_v3"}  # model_type -> the model_type of its text model, which is what is converted
 
 _DSA = "DeepSeek sparse attention's lightning indexer is only an experimental megatron-core 0.16.1 variant that needs the fast_hadamard_transform CUDA kernels"
@@ -107,7 +111,7 @@ class ArchSpec:
     moe_groups: int = 0  # group-limited routing: experts in this many groups, moe_group_top_k of them chosen (0: off)
     moe_group_top_k: int = 0
     moe_scaling: float = 1.0  # routed_scaling_factor
-    dense_layers: int = 0  # the first layers keep a dense MLP (first_k_dense_replace)
+    dense_layers: tuple[int, ...] = ()  # the layers of an MoE model that keep a dense MLP (first_k_dense_replace, mlp_layer_types)
     rotary_fraction: float = 1.0  # partial_rotary_factor: RoPE on the first part of each head only
     mla: MLA | None = None
     yarn: Yarn | None = None
@@ -117,7 +121,7 @@ class ArchSpec:
         return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.num_experts > 0 and i >= self.dense_layers
+        return self.num_experts > 0 and i not in self.dense_layers
 
 
 def text_config(config: dict) -> dict:
@@ -134,18 +138,36 @@ def _rope(text: dict) -> dict:
 
 def _value_refusal(kind: str, text: dict) -> str | None:
     """Why a mapped family's config asks for something megatron-core 0.16.1 computes differently, if it does."""
-    rope, rotaries = _rope(text), ("default", "yarn") if kind == "deepseek_v3" else ("default",)
+    rope, rotaries = _rope(text), ("default", "yarn") if kind in MLA_ARCHS else ("default",)
     if rope["rope_type"] not in rotaries:
         return f"rope_type {rope['rope_type']!r}: the conversion maps {' and '.join(rotaries)} RoPE for {kind}"
     if rope["rope_type"] == "yarn" and rope.get("truncate") is False:
         return "YaRN with truncate false: megatron-core 0.16.1 always rounds the correction range"
-    if kind not in ("deepseek_v3", "glm4_moe"):
-        return None
+    if kind in MLA_ARCHS and text.get("attention_bias"):
+        return "attention_bias true: megatron-core 0.16.1 builds multi-latent attention's down and output projections without biases"
+    if kind in MLA_ARCHS and text.get("rope_interleave") is False:
+        return "rope_interleave false: megatron-core 0.16.1's multi-latent attention always de-interleaves the RoPE part of each head"
     top_k, groups, group_top_k = text.get("num_experts_per_tok", 1), text.get("n_group") or 1, text.get("topk_group") or 1
+    if kind == "deepseek_v2":
+        return _softmax_routing_refusal(text, top_k, groups, group_top_k)
+    if kind not in SIGMOID_ARCHS:
+        return None
     if top_k > 1 and not text.get("norm_topk_prob", True):
         return "norm_topk_prob false: megatron-core 0.16.1 always renormalises a sigmoid router's top-k weights"
     if 1 < groups and group_top_k < groups and top_k // group_top_k != 2:
         return f"grouped routing scores each group by its top-2 experts, megatron-core 0.16.1 by its top num_experts_per_tok // topk_group ({top_k // group_top_k})"
+    return None
+
+
+def _softmax_routing_refusal(text: dict, top_k: int, groups: int, group_top_k: int) -> str | None:
+    """DeepSeek-V2's router as transformers runs it: softmax over all experts, greedy or group-limited top-k, no renormalisation."""
+    if text.get("mlp_bias"):
+        return "mlp_bias true: the conversion maps MLPs without biases"
+    method = text.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        return f"topk_method {method!r}: transformers' DeepSeek-V2 routes greedy or group_limited_greedy only"
+    if method == "group_limited_greedy" and 1 < groups and group_top_k < groups and top_k // group_top_k != 1:
+        return f"group_limited_greedy scores each group by its best expert, megatron-core 0.16.1 by its top num_experts_per_tok // topk_group ({top_k // group_top_k})"
     return None
 
 
@@ -169,30 +191,48 @@ def _yarn(rope: dict) -> Yarn | None:
     return Yarn(rope["factor"], rope["original_max_position_embeddings"], beta_fast, beta_slow, mscale if both else 1.0, mscale_all_dim or 0.0)
 
 
-def _deepseek_moe(text: dict) -> dict:
-    """DeepSeek-style experts (DeepSeek-V3, GLM-4.5): shared experts, dense first layers, sigmoid routing with a bias."""
-    groups = text.get("n_group") or 1
+def _deepseek_moe(text: dict, sigmoid: bool) -> dict:
+    """DeepSeek-style experts: shared experts, dense first layers, sigmoid routing with a bias (DeepSeek-V3, GLM) or
+    softmax routing, greedy or group-limited, never renormalised (DeepSeek-V2 as transformers runs it)."""
+    grouped = sigmoid or text.get("topk_method") == "group_limited_greedy"
+    groups = (text.get("n_group") or 1) if grouped else 1
     return dict(
         num_experts=text["n_routed_experts"],
         moe_top_k=text["num_experts_per_tok"],
         moe_ffn_hidden_size=text["moe_intermediate_size"],
-        moe_renormalize=bool(text.get("norm_topk_prob", True)),
-        moe_sigmoid=True,
+        moe_renormalize=sigmoid and bool(text.get("norm_topk_prob", True)),
+        moe_sigmoid=sigmoid,
         moe_shared_ffn_hidden_size=text["moe_intermediate_size"] * (text.get("n_shared_experts") or 0),
         moe_groups=groups if groups > 1 else 0,
         moe_group_top_k=text.get("topk_group") or 1 if groups > 1 else 0,
         moe_scaling=float(text.get("routed_scaling_factor") or 1.0),
-        dense_layers=text.get("first_k_dense_replace") or 0,
+        dense_layers=_dense_layers(text),
     )
+
+
+def _dense_layers(text: dict) -> tuple[int, ...]:
+    kinds = text.get("mlp_layer_types")
+    if kinds is None and text.get("model_type") == "glm4_moe_lite":  # its config class's default: a dense first layer
+        kinds = ["dense"] + ["sparse"] * (text["num_hidden_layers"] - 1)
+    if kinds is not None:
+        return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    return tuple(range(text.get("first_k_dense_replace") or 0))
 
 
 def _family_fields(kind: str, text: dict) -> dict:
     heads = text["num_attention_heads"]
-    if kind == "deepseek_v3":
+    if kind in MLA_ARCHS:
         mla = MLA(text.get("q_lora_rank") or 0, text["kv_lora_rank"], text["qk_nope_head_dim"], text["qk_rope_head_dim"], text["v_head_dim"])
-        return dict(num_kv_heads=heads, head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, qkv_bias=False, qk_norm=False, mla=mla, **_deepseek_moe(text))
+        return dict(
+            num_kv_heads=heads,
+            head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+            qkv_bias=False,
+            qk_norm=False,
+            mla=mla,
+            **_deepseek_moe(text, kind in SIGMOID_ARCHS),
+        )
     if kind == "glm4_moe":
-        return dict(qkv_bias=bool(text.get("attention_bias")), qk_norm=bool(text.get("use_qk_norm")), **_deepseek_moe(text))
+        return dict(qkv_bias=bool(text.get("attention_bias")), qk_norm=bool(text.get("use_qk_norm")), **_deepseek_moe(text, sigmoid=True))
     moe = kind == "qwen3_moe"
     return dict(
         qkv_bias=kind == "qwen2" or bool(text.get("attention_bias", False)),

@@ -10,7 +10,7 @@ joined (HF -> megatron) and split (megatron -> HF), so both directions read the 
 * q/k/v projections (GQA) fuse into `linear_qkv`, grouped per KV head: for each of the
   num_kv_heads groups, that group's query heads, then its key head, then its value head; biases
   (Qwen2, GLM-4.5) the same way.  q/k norms (Qwen3, GLM-4.5 with use_qk_norm) map to `q_layernorm` / `k_layernorm`.
-* Multi-latent attention (DeepSeek-V3, Kimi-K2.5) maps one to one: q_a/q_b -> linear_q_down/up_proj,
+* Multi-latent attention (DeepSeek-V2/V3, Kimi-K2.5, GLM-4.7-Flash) maps one to one: q_a/q_b -> linear_q_down/up_proj,
   kv_a_proj_with_mqa/kv_b -> linear_kv_down/up_proj and their norms; megatron-core splits heads into
   no-RoPE and RoPE parts in HF's order and de-interleaves the RoPE part as HF's `rope_interleave` does.
 * gate/up projections (SwiGLU) fuse into `linear_fc1` as [gate; up]; experts and shared experts likewise.

@@ -1,6 +1,7 @@
 """The megatron backend on gloo with real megatron-core: TP/PP/EP parity, resharding, MoE, router replay,
-one RL step on each MLA / DeepSeek-style MoE family (DeepSeek-V3 at EP=2 and PP=2, Kimi-K2.5, GLM-4.5), and the
-CPU compatibility layer (every redirection it installs fires on these paths, none is missing).
+one RL step on each MLA / DeepSeek-style MoE family (DeepSeek-V3 at EP=2 and PP=2, Kimi-K2.5, GLM-4.5,
+GLM-4.7-Flash, DeepSeek-V2), and the CPU compatibility layer (every redirection it installs fires on these
+paths, none is missing).
 
 One module-scoped set of runs from converted tiny checkpoints; each test reads its part.
 """
@@ -24,7 +25,7 @@ def runs():
         yield parallel_runs(Path(tmp))
 
 
-FAMILIES = {"deepseek_v3": 2, "kimi_k25": 1, "glm4_moe": 1}  # family -> expert parallel size of its step
+FAMILIES = {"deepseek_v3": 2, "kimi_k25": 1, "glm4_moe": 1, "glm4_moe_lite": 1, "deepseek_v2": 1}  # family -> expert parallel size of its step
 
 
 def parallel_runs(root: Path) -> dict:

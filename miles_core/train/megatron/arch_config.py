@@ -1,10 +1,10 @@
 """megatron-core's TransformerConfig, layer specs and rotary options for an ArchSpec (one place per family feature).
 
 * Dense GQA families: TransformerConfig with the fused q/k/v of the local layer spec.
-* Multi-latent attention (DeepSeek-V3, Kimi-K2.5): MLATransformerConfig and the local spec's
+* Multi-latent attention (DeepSeek-V2/V3, Kimi-K2.5, GLM-4.7-Flash): MLATransformerConfig and the local spec's
   MLASelfAttention; RoPE or YaRN inside the attention, as megatron-core computes MLA's RoPE itself.
 * Partial rotary heads (GLM-4.5): the GPTModel's rotary_percent.
-* MoE: softmax top-k (Qwen3-MoE) or sigmoid scores with the correction bias as `expert_bias`
+* MoE: softmax top-k (Qwen3-MoE, DeepSeek-V2) or sigmoid scores with the correction bias as `expert_bias`
   (DeepSeek, GLM), group-limited top-k, routed_scaling_factor, shared experts, and dense first
   layers through `moe_layer_freq`.  The router runs in fp32 as HF's does.  The expert bias is kept
   as the checkpoint has it (update rate 0): the torch backend does not move it either, and an RL
@@ -42,21 +42,16 @@ def _moe(spec: ArchSpec, routing_replay: bool) -> dict:
         moe_router_load_balancing_type="none",
         moe_enable_routing_replay=routing_replay,
         moe_router_dtype="fp32",
-        moe_layer_freq=[0 if i < spec.dense_layers else 1 for i in range(spec.num_layers)],
-    )
-    if not spec.moe_sigmoid:  # Qwen3-MoE: softmax over all experts, then top-k, unless renormalised
-        return moe | dict(moe_router_pre_softmax=not spec.moe_renormalize)
-    moe |= dict(
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=0.0,
-        moe_router_topk_scaling_factor=spec.moe_scaling,
+        moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
+        moe_router_topk_scaling_factor=spec.moe_scaling if spec.moe_scaling != 1.0 else None,
     )
     if spec.moe_groups:
         moe |= dict(moe_router_num_groups=spec.moe_groups, moe_router_group_topk=spec.moe_group_top_k)
     if spec.moe_shared_ffn_hidden_size:
         moe |= dict(moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size)
-    return moe
+    if not spec.moe_sigmoid:  # Qwen3-MoE, DeepSeek-V2: softmax over all experts, then top-k, unless renormalised
+        return moe | dict(moe_router_pre_softmax=not spec.moe_renormalize)
+    return moe | dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
 
 
 def _mla(spec: ArchSpec) -> dict:
@@ -118,12 +113,12 @@ def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype, routing_rep
 
 
 def _latent_core_attention(layer):
-    """An MLA layer spec with the core attention that takes MLA's head sizes (mla_attention.py)."""
-    from miles_core.train.megatron.mla_attention import LatentDotProductAttention
+    """An MLA layer spec with the core attention that takes MLA's head sizes and HF's latent norms (mla_attention.py)."""
+    from miles_core.train.megatron.mla_attention import LatentDotProductAttention, LatentRMSNorm
 
     attention = layer.submodules.self_attention
-    attention = replace(attention, submodules=replace(attention.submodules, core_attention=LatentDotProductAttention))
-    return replace(layer, submodules=replace(layer.submodules, self_attention=attention))
+    parts = replace(attention.submodules, core_attention=LatentDotProductAttention, q_layernorm=LatentRMSNorm, kv_layernorm=LatentRMSNorm)
+    return replace(layer, submodules=replace(layer.submodules, self_attention=replace(attention, submodules=parts)))
 
 
 def layer_spec(spec: ArchSpec, config):
