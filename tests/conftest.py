@@ -25,7 +25,8 @@ def workflow_command(recipe: str, root: Path, *overrides: str, workflow: tuple[s
 
 def workflow_env(home: Path) -> dict:
     home.mkdir(parents=True, exist_ok=True)
-    return {**os.environ, "HOME": str(home), "FLYTE_SDK_LOGGING_LEVEL": "20", "TRANSFORMERS_VERBOSITY": "error"}
+    # COLUMNS: flytekit prints errors through rich, which breaks a long word (a deep temporary path) at the terminal width
+    return {**os.environ, "HOME": str(home), "FLYTE_SDK_LOGGING_LEVEL": "20", "TRANSFORMERS_VERBOSITY": "error", "COLUMNS": "1000"}
 
 
 def extends(target: Path, recipe: Path) -> str:

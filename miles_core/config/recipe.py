@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -40,6 +41,15 @@ def flatten(obj, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def _suggest(key: str, known: set[str]) -> str:
+    """The known keys closest to a misspelt one, or, when none is close, as many known keys as a short message holds."""
+    close = difflib.get_close_matches(key, known, n=3)
+    if close:
+        return f"did you mean {' or '.join(close)}?"
+    listed = ", ".join(sorted(known))
+    return f"known: {listed if len(listed) <= 200 else listed[:200].rsplit(', ', 1)[0] + ', ...'}"
+
+
 def _build(cls, values: dict, path: str):
     if not isinstance(values, dict):
         raise ConfigError(f"{path or 'recipe'}: expected a mapping, got {type(values).__name__}")
@@ -49,7 +59,7 @@ def _build(cls, values: dict, path: str):
     for key, value in values.items():
         key_path = f"{path}.{clip(str(key))}" if path else clip(str(key))
         if key not in known:
-            raise ConfigError(f"{key_path}: unknown key (known: {', '.join(sorted(known))})")
+            raise ConfigError(f"{key_path}: unknown key ({_suggest(clip(str(key)), known)})")
         kind = hints[key]
         if dataclasses.is_dataclass(kind):
             kwargs[key] = _build(kind, value, key_path)

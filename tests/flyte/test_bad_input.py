@@ -65,7 +65,7 @@ def test_pyflyte_refuses_a_misspelt_key_in_the_json_config_before_anything_runs(
         [*command[:-1], json.dumps(values)], cwd=REPO, env=workflow_env(tmp_path / "home"), capture_output=True, text=True, timeout=600, check=False
     )
     assert out.returncode != 0
-    assert "rollout.sglang.tensor_paralel: unknown key (known: " in " ".join((out.stdout + out.stderr).split())
+    assert "rollout.sglang.tensor_paralel: unknown key (did you mean tensor_parallel?)" in " ".join((out.stdout + out.stderr).split())
     assert "Running Execution" not in out.stdout and not (tmp_path / "runs").exists()  # no task started
 
 

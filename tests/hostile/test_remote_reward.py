@@ -73,9 +73,24 @@ def _fixed(body: bytes, status: str = "200 OK"):
     return handler
 
 
+class _Replying:
+    """A connection whose first send calls `done` first (the server's count of connections awaiting a reply)."""
+
+    def __init__(self, conn, done):
+        self.conn, self.done = conn, done
+
+    def sendall(self, data: bytes) -> None:
+        self.done()
+        self.conn.sendall(data)
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
 class Server:
     """A listener on 127.0.0.1 running `handler(conn, stop)` per connection; counts connections
-    and the most connections open at once."""
+    and the most open at once that await their reply (a client limited to N requests in flight may
+    connect again as soon as a reply arrives, before this side has closed the answered connection)."""
 
     def __init__(self, handler, accept: bool = True):
         self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
@@ -99,15 +114,22 @@ class Server:
             self.connections += 1
             self.open += 1
             self.most_open = max(self.most_open, self.open)
+        replied = threading.Event()
+
+        def done():  # a connection counts as open until its reply starts: the client may reuse its slot from then on
+            with self.lock:
+                if not replied.is_set():
+                    replied.set()
+                    self.open -= 1
+
         try:
             conn.settimeout(1.0)
             conn.recv(65536)  # the request (small)
-            self.handler(conn, self.stop)
+            self.handler(_Replying(conn, done), self.stop)
         except OSError:
             pass
         finally:
-            with self.lock:
-                self.open -= 1
+            done()
             conn.close()
 
     def close(self):

@@ -48,10 +48,15 @@ def test_json_round_trips():
 
 
 @pytest.mark.parametrize(
-    "path, key",
-    [((), "iteratons"), (("train",), "lrr"), (("rollout", "sglang"), "tensor_paralel"), (("cluster",), "retry")],
+    "path, key, meant",
+    [
+        ((), "iteratons", "iterations"),
+        (("train",), "lrr", "lr"),
+        (("rollout", "sglang"), "tensor_paralel", "tensor_parallel"),
+        (("cluster",), "retry", "retries"),
+    ],
 )
-def test_a_misspelt_json_key_anywhere_is_refused_by_its_path(path, key):
+def test_a_misspelt_json_key_anywhere_is_refused_by_its_path(path, key, meant):
     values = json_of(RunConfig())
     section = values
     for name in path:
@@ -59,7 +64,8 @@ def test_a_misspelt_json_key_anywhere_is_refused_by_its_path(path, key):
     section[key] = 1
     with pytest.raises(ConfigError) as err:
         RunConfig.from_json(json.dumps(values))
-    assert str(err.value).startswith(f"{'.'.join((*path, key))}: unknown key (known: ")
+    message = str(err.value)
+    assert message.startswith(f"{'.'.join((*path, key))}: unknown key (did you mean ") and meant in message.split("did you mean ")[1]
 
 
 @pytest.mark.parametrize(
