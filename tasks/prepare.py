@@ -15,7 +15,7 @@ from miles_core.data.problems import make_problem_set, write_jsonl
 from miles_core.data.source import load_prompts
 from miles_core.models.source import admit, fetch_base
 from miles_core.storage import artifact_path, atomic_file, sha256_file
-from tasks.common import Dataset, Policy, cache_version, lasting_dir, lasting_file
+from tasks.common import Dataset, Policy, artifact_uri, cache_version, lasting_file, scratch, uploaded_dir
 
 
 def _download(uri: str, local: str) -> None:
@@ -26,17 +26,17 @@ def _download(uri: str, local: str) -> None:
 @task(cache=True, cache_version=cache_version(ModelConfig, module=__name__), container_image=cpu_image)
 def base_model(cfg: ModelConfig, root: str) -> Policy:
     """The base policy as version 0: the checkpoint model.path names, or the tiny model; its source and digest in source.json."""
-    out = artifact_path(root, "base", 0, cfg)
+    out = scratch("base")
     record = fetch_base(cfg, out, _download)
     print(f"base model: {record['path']} (sha256 {record['sha256'][:12]})")
-    return Policy(dir=lasting_dir(out), version=0)
+    return Policy(dir=uploaded_dir(out, artifact_uri(root, "base", 0, cfg)), version=0)
 
 
 @task(cache=True, cache_version=cache_version(TrainConfig, module=__name__), container_image=cpu_image)
 def admit_model(base: Policy, train: TrainConfig) -> Policy:
     """The base policy, once the boundary check passed (whole weights, fitting tokenizer, an architecture and
     shape the trainer backend takes); every later stage starts from this output, so a refusal comes first."""
-    admit(base.dir.path, train)
+    admit(base.dir.download(), train)
     return base
 
 

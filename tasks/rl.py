@@ -33,7 +33,21 @@ from miles_core.schemas import read_batch, write_batch
 from miles_core.step import bind, groups_of, rollout_seed, score_batch, scorer_of
 from miles_core.storage import artifact_path, atomic_dir
 from miles_core.train.backends import convert_checkpoint, export_policy, train_checkpoint
-from tasks.common import BatchResult, Checkpoint, Dataset, Policy, RolloutResult, TrainResult, cache_version, lasting_dir, lasting_file
+from tasks.common import (
+    BatchResult,
+    Checkpoint,
+    Dataset,
+    Policy,
+    RolloutResult,
+    TrainResult,
+    artifact_uri,
+    cache_version,
+    lasting_dir,
+    lasting_file,
+    scratch,
+    uploaded_dir,
+    uri_of,
+)
 from tasks.elastic import elastic_task, sized
 
 ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork")
@@ -87,10 +101,10 @@ def _prompts(dataset_file, data: DataConfig):
 def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Checkpoint:
     """Base HF checkpoint -> the backend's checkpoint format (megatron: torch_dist, reshardable), and a fresh critic for PPO."""
     _forked_worker()
-    out = artifact_path(root, "checkpoint", 0, cfg, algo, policy.dir.path)
+    out = scratch("checkpoint")
     with atomic_dir(out) as tmp:
-        convert_checkpoint(cfg, algo, policy.dir.path, tmp)
-    return Checkpoint(dir=lasting_dir(out), step=0)
+        convert_checkpoint(cfg, algo, policy.dir.download(), tmp)
+    return Checkpoint(dir=uploaded_dir(out, artifact_uri(root, "checkpoint", 0, cfg, algo, uri_of(policy.dir))), step=0)
 
 
 @task(cache=True, cache_version=cache_version(RolloutConfig, DataConfig, RewardConfig, module=__name__), container_image=cpu_image)
@@ -175,9 +189,9 @@ def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent
     """Export the checkpoint (any parallel sizes) as the next policy version (HF safetensors + lineage manifest)."""
     _forked_worker()
     version = parent.version + 1
-    out = artifact_path(root, "policy", version, cfg, ckpt.dir.path)
-    export_policy(train_cfg, ckpt.dir.path, out, cfg.dtype, version, parent.version)
-    return Policy(dir=lasting_dir(out), version=version)
+    out = scratch("policy")
+    export_policy(train_cfg, ckpt.dir.download(), out, cfg.dtype, version, parent.version, source=uri_of(ckpt.dir))
+    return Policy(dir=uploaded_dir(out, artifact_uri(root, "policy", version, cfg, uri_of(ckpt.dir))), version=version)
 
 
 @task(cache=True, cache_version=cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig, module=__name__), container_image=cpu_image)

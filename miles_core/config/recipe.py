@@ -18,6 +18,7 @@ import yaml
 
 from miles_core.config.base import ConfigError
 from miles_core.config.bounded_yaml import clip, load_text, read_yaml, short
+from miles_core.config.model import URI_SCHEMES
 from miles_core.config.run import RunConfig
 
 
@@ -115,7 +116,7 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RunConfig:
         raise ConfigError(f"{path}: cannot read the recipe: {err.strerror}") from None
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
-    return dataclasses.replace(cfg, run_root=str(Path(cfg.run_root).resolve()))
+    return dataclasses.replace(cfg, run_root=cfg.run_root if cfg.run_root.startswith(URI_SCHEMES) else str(Path(cfg.run_root).resolve()))
 
 
 SEEDED_SECTIONS = ("model", "data", "sft", "rollout", "train")
