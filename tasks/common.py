@@ -20,6 +20,7 @@ from typing import Optional
 
 import flytekit
 import transformers
+from flytekit.core.context_manager import FlyteContextManager
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
@@ -92,14 +93,21 @@ def lasting_file(path) -> FlyteFile:
     return FlyteFile.from_source(str(path))
 
 
-def artifact_uri(root: str, stage: str, iteration: int, *inputs: object, suffix: str = "") -> str:
-    """<root>/<stage>/<iteration:04d>-<digest of inputs><suffix>, the root an object-store URI or a local folder."""
-    return f"{root.rstrip('/')}/{artifact_name(stage, iteration, *inputs, suffix=suffix)}"
+def new_artifact(root: str, stage: str, iteration: int, *inputs: object, suffix: str = "") -> tuple[Path, str]:
+    """Where this task writes an artifact on its own disk (in its execution's working directory, the same for every
+    process of an Elastic task), and where it is uploaded to: <root>/<stage>/<iteration:04d>-<digest of inputs><suffix>,
+    the root an object-store URI or a local folder."""
+    name = artifact_name(stage, iteration, *inputs, suffix=suffix)
+    return Path(flytekit.current_context().working_directory) / "artifacts" / name, f"{root.rstrip('/')}/{name}"
 
 
-def scratch(name: str) -> Path:
-    """A path on this task's own disk (in its execution's working directory), not yet created, for an artifact it is about to upload."""
-    return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=flytekit.current_context().working_directory)) / name
+def member(directory: FlyteDirectory, name: str) -> Path:
+    """One file of an input directory, downloaded alone (a manifest, a source record) instead of the whole directory."""
+    if not directory.remote_source:
+        return Path(directory.path) / name
+    local = Path(tempfile.mkdtemp(dir=flytekit.current_context().working_directory)) / name
+    FlyteContextManager.current_context().file_access.get_data(f"{directory.remote_source.rstrip('/')}/{name}", str(local))
+    return local
 
 
 def uploaded_dir(local: str | os.PathLike, dest: str) -> FlyteDirectory:

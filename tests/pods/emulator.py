@@ -17,10 +17,10 @@ import hashlib
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -39,7 +39,10 @@ from flytekit.models.core.workflow import Node
 from flytekit.models.dynamic_job import DynamicJobSpec
 from flytekit.tools.translator import get_serializable
 
+from tests.servers import free_port
+
 REPO = Path(__file__).resolve().parents[2]
+VENV = Path(sys.prefix).resolve()  # the image's Python environment
 CODE_PACKAGES = ("miles_core", "tasks", "workflows", "containers")  # what the image ships of the project
 BUCKET = "miles-pods"
 PROJECT, DOMAIN, VERSION = "miles", "development", "pods"
@@ -50,12 +53,6 @@ class PodFailed(RuntimeError):
     """A node's pod exited with an error (the message is the task's error document and the pod's log tail)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ObjectStore:
     """An S3 server (moto) on loopback with one bucket; the credentials and endpoint pods get through flytekit's env vars."""
 
@@ -63,7 +60,7 @@ class ObjectStore:
         from moto.server import ThreadedMotoServer  # the test extra's S3 server, only this tier needs it
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # the server's access log, a line per request
-        self.port = _free_port()
+        self.port = free_port()
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port)
         self.server.start()
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -174,8 +171,10 @@ class Cluster:
         if cached and self.store.exists(cached):
             execution.nodes[path] = "cache hit"
             return self.store.read_literals(cached)
+        started = time.monotonic()
         outputs = self._run_pod(execution, template, inputs, path)
         execution.nodes[path] = "ran"
+        print(f"{execution.name} {path} {template.id.name}: ran in {time.monotonic() - started:.1f} s", flush=True)  # a long run's progress
         if cached:
             self.store.write(cached, outputs.to_flyte_idl())
         return outputs
@@ -224,7 +223,7 @@ class Cluster:
             for sub in ("work", "home", "tmp"):
                 (pod / sub).mkdir()
             env = self._pod_env(execution, template, pod, attempt) | dict(env_pairs)
-            proc = subprocess.run(args, cwd=pod / "work", env=env, capture_output=True, text=True, timeout=1800)
+            proc = subprocess.run(self._confined(args, pod), cwd=pod / "work", env=env, capture_output=True, text=True, timeout=1800)
         finally:
             shutil.rmtree(pod, ignore_errors=True)  # a pod's disk ends with the pod
         log = (proc.stdout + proc.stderr)[-6000:]
@@ -232,10 +231,21 @@ class Cluster:
             raise PodFailed(f"node {path} ({template.id.name}): pyflyte-execute exited {proc.returncode}\n{log}")
         return log
 
+    def _confined(self, args: list[str], pod: Path) -> list[str]:
+        """The pod's view of the filesystem (bubblewrap): the system, the image's Python and packages and the project's code
+        read-only, its own disk writable, and nothing of this machine's temporary folders, home or checkouts, so a path the
+        submitter or another pod wrote is simply not there. The network is shared: the object store is on loopback."""
+        if shutil.which("bwrap") is None:  # `make setup` installs it; without it a pod sees the machine's files, its disk still goes
+            return args
+        hidden = {tempfile.gettempdir(), os.path.expanduser("~"), f"/{REPO.parts[1]}"}
+        view = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        view += [arg for path in sorted(hidden) for arg in ("--tmpfs", path)]
+        view += [arg for path in (sys.base_prefix, VENV, self.code) for arg in ("--ro-bind", str(path), str(path))]
+        return ["bwrap", *view, "--bind", str(pod), str(pod), "--die-with-parent", "--", *args]
+
     def _pod_env(self, execution: Execution, template, pod: Path, attempt: int) -> dict[str, str]:
-        venv_bin = str(Path(sys.executable).parent)
         return {
-            "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin",
+            "PATH": f"{VENV / 'bin'}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(pod / "home"),
             "TMPDIR": str(pod / "tmp"),
             "PYTHONPATH": str(self.code),

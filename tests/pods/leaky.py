@@ -49,11 +49,13 @@ def uploaded() -> str:
 
 
 @task
-def surroundings() -> dict[str, str]:
-    """What the pod sees: its working directory's contents, HOME, TMPDIR, and where the project's code comes from."""
+def surroundings(probe: str) -> dict[str, str]:
+    """What the pod sees: its working directory's contents, HOME, TMPDIR, where the project's code comes from, and
+    whether a path of the submitter's disk (`probe`) is there."""
     import tasks
 
     return {
+        "probe_exists": str(os.path.exists(probe)),
         "cwd": os.getcwd(),
         "cwd_entries": ",".join(sorted(os.listdir("."))),
         "home": os.environ["HOME"],
@@ -64,5 +66,5 @@ def surroundings() -> dict[str, str]:
 
 
 @workflow
-def pod_view() -> dict[str, str]:
-    return surroundings()
+def pod_view(probe: str) -> dict[str, str]:
+    return surroundings(probe=probe)

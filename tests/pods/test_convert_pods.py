@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from miles_core.config.recipe import load_recipe
 from tasks.common import Checkpoint, Policy
 from tests.pods import leaky
-from tests.pods.emulator import PodFailed
+from tests.pods.emulator import REPO, PodFailed
 from workflows.convert import convert
 
 pytestmark = pytest.mark.pods
@@ -91,7 +91,7 @@ def test_a_file_returned_as_an_upload_reaches_the_next_pod(store, cluster):
 
 
 def test_a_pod_sees_an_empty_directory_its_own_home_and_the_images_code(cluster):
-    with_view = cluster.run(leaky.pod_view)
+    with_view = cluster.run(leaky.pod_view, probe=str(REPO / "pyproject.toml"))
     with cluster.store.context() as ctx:
         view = TypeEngine.to_python_value(ctx, with_view.outputs.literals["o0"], dict[str, str])
     assert view["cwd_entries"] == ""
@@ -99,3 +99,4 @@ def test_a_pod_sees_an_empty_directory_its_own_home_and_the_images_code(cluster)
     assert Path(view["home"]).parent == pod and Path(view["tmpdir"]).parent == pod
     assert not pod.exists()  # the pod's disk ended with it
     assert Path(view["code"]).is_relative_to(cluster.code)  # the image's copy, not the checkout
+    assert view["probe_exists"] == "False"  # the submitter's checkout is not on a pod's disk
