@@ -6,8 +6,8 @@ digest of what produced it (`artifact_uri`): an object-store URI on a cluster, a
 run. flytekit uploads it when the task returns; the consumer downloads it (`.download()`) and names it
 by its URI (`uri_of`), never by the path it was downloaded to. A cache hit returns the uploaded copy.
 
-Tasks not yet moved to uploads write under a local run root and return it with `lasting_dir`/`lasting_file`
-(flytekit records the path): they run locally only.
+The async phase (tasks/async_phase.py) still writes under a local run root and returns its outputs with
+`lasting_dir`/`lasting_file` (flytekit records the path): it runs in local executions only.
 """
 
 from __future__ import annotations
