@@ -9,7 +9,7 @@ UI_PORT ?= 5000
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test test-fast test-twins ui bench clean sglang-env lock
+.PHONY: setup run test test-fast test-twins test-sglang-families ui bench clean sglang-env lock
 
 setup: $(STAMP)
 
@@ -40,6 +40,10 @@ test-fast: setup
 # The slower tier: every real-size recipe's tiny twin (recipes/tiny/) through a real pyflyte run on CPU.
 test-twins: setup
 	$(PY) -m pytest -q -m twins tests/flyte/test_twins.py
+
+# The slower tier: every model family at tiny size launched in the real SGLang server on CPU (one launch each).
+test-sglang-families: setup sglang-env
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m integration tests/integration/test_sglang_families.py
 
 ui: setup
 	$(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/runs/mlflow.db \

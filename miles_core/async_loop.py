@@ -51,16 +51,6 @@ class AsyncPhaseError(RuntimeError):
     """The phase cannot finish: a weight push timed out, the trainer starved, or an actor failed."""
 
 
-def phase_plan(iterations: int, cfg: AsyncConfig, eval_interval: int) -> list[tuple[int, int, bool]]:
-    """[(first iteration, async steps, evaluate after it)] covering every iteration; async steps 0
-    is one sync iteration. Evaluation follows the stretch that reaches a multiple of eval_interval,
-    and the last one."""
-    sync = {"sync": iterations, "async": 0, "mixed": cfg.sync_iterations}[cfg.schedule]
-    plan = [(it, 0) for it in range(sync)]
-    plan += [(it, min(cfg.steps_per_phase, iterations - it)) for it in range(sync, iterations, cfg.steps_per_phase)]
-    return [(it, k, (it + max(k, 1)) // eval_interval > it // eval_interval or it + max(k, 1) == iterations) for it, k in plan]
-
-
 @dataclasses.dataclass
 class PhaseSpec:
     """Everything one phase reads: config sections, where it starts from, and how far it goes."""

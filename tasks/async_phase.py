@@ -25,6 +25,8 @@ from miles_core.plugins import plugin
 from miles_core.schemas import read_batch
 from miles_core.storage import artifact_path, atomic_dir
 from tasks.common import AsyncPhaseResult, Checkpoint, Dataset, Policy, cache_version, lasting_dir, lasting_file
+from tasks.metadata import SMALL, cached, declared
+from tasks.retry import recoverable
 
 RAY_CLUSTER = RayJobConfig(
     head_node_config=HeadNodeConfig(requests=Resources(cpu="1", mem="2Gi")),
@@ -39,10 +41,11 @@ RAY_CLUSTER = RayJobConfig(
 
 @task(
     task_config=RAY_CLUSTER,
-    cache=True,
     container_image=cpu_image,
-    cache_version=cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, PublishConfig, module=__name__),
+    **cached(cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, PublishConfig, module=__name__)),
+    **declared("async", SMALL),  # the job's submitter pod; the head and worker groups have their own (RAY_CLUSTER)
 )
+@recoverable
 def async_phase(
     cfg: AsyncConfig,
     rollout: RolloutConfig,

@@ -4,8 +4,9 @@ flytekit 1.16 fixes an Elastic task's kind (a standalone pod for one node, a PyT
 replica count when the task is defined; a node's `task_config` override changes neither (and changes the task
 object itself). And the pod that runs a task builds it again from its module and name, with the Elastic config
 it was defined with, which decides how many processes torch elastic starts there. So a run calls `sized(task,
-nnodes, nproc)`: the same task (name, cache version, image, resources) defined with the recipe's sizes, whose
-resolver writes the sizes into the pod's arguments and builds the same variant in the pod.
+nnodes, nproc, ...)`: the same task (name, cache version, image, resources) defined with the recipe's sizes, worker-
+group restarts and rendezvous timeouts (what the pod's torch elastic launch reads), whose resolver writes them into the
+pod's arguments and builds the same variant in the pod.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from flytekit import task
 from flytekit.core.base_task import TaskResolverMixin
 from flytekit.core.context_manager import FlyteContextManager
 from flytekit.core.tracker import TrackedInstance
+
+from miles_core.config import ClusterConfig
 
 _TASK_ARGS: dict[str, dict] = {}  # "module.function" -> the @task arguments it was defined with
 
@@ -33,11 +36,18 @@ def elastic_task(**task_args):
 
 
 @functools.cache
-def sized(base, nnodes: int, nproc_per_node: int):
-    """`base` (defined by `elastic_task`) with nnodes x nproc_per_node processes, everything else as defined."""
+def sized(base, nnodes: int, nproc_per_node: int, max_restarts: int = 0, rdzv_timeout_s: int = 900, rdzv_join_timeout_s: int = 900):
+    """`base` (defined by `elastic_task`) with nnodes x nproc_per_node processes, `max_restarts` restarts of a failed worker
+    group, and the rendezvous timeouts (seconds) of its nodes; everything else as defined."""
     fn = base.task_function
     args = _TASK_ARGS[f"{fn.__module__}.{fn.__name__}"]
-    config = dataclasses.replace(args["task_config"], nnodes=nnodes, nproc_per_node=nproc_per_node)
+    config = dataclasses.replace(
+        args["task_config"],
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        max_restarts=max_restarts,
+        rdzv_configs={"timeout": rdzv_timeout_s, "join_timeout": rdzv_join_timeout_s},
+    )
     outside = FlyteContextManager.current_context().with_compilation_state(None)  # defined inside a workflow, it would take its resolver
     with FlyteContextManager.with_context(outside):
         variant = task(**{**args, "task_config": config, "task_resolver": elastic_resolver})(fn)
@@ -48,19 +58,30 @@ def sized(base, nnodes: int, nproc_per_node: int):
     return variant
 
 
+def elastic(base, cluster: ClusterConfig, nnodes: int = 1, nproc_per_node: int = 1):
+    """`base` sized for a run: its processes, and the recipe's restarts and rendezvous timeouts (cluster section)."""
+    return sized(base, nnodes, nproc_per_node, cluster.max_restarts, cluster.rdzv_timeout_s, cluster.rdzv_join_timeout_s)
+
+
+# (argument name, Elastic field or rendezvous key) in the order the resolver writes and reads them
+_SIZES = (("nnodes", "nnodes"), ("nproc-per-node", "nproc_per_node"), ("max-restarts", "max_restarts"))
+_RDZV = (("rdzv-timeout", "timeout"), ("rdzv-join-timeout", "join_timeout"))
+
+
 class ElasticResolver(TrackedInstance, TaskResolverMixin):
-    """Loads `sized(module.function, nnodes, nproc_per_node)` from the arguments it wrote at serialization."""
+    """Loads `sized(module.function, ...)` from the arguments it wrote at serialization."""
 
     def name(self) -> str:
         return "ElasticResolver"
 
     def load_task(self, loader_args: list[str]):
-        _, module, _, name, _, nnodes, _, nproc = loader_args
-        return sized(getattr(importlib.import_module(module), name), int(nnodes), int(nproc))
+        _, module, _, name, *numbers = loader_args
+        return sized(getattr(importlib.import_module(module), name), *(int(n) for n in numbers[1::2]))
 
     def loader_args(self, settings, t) -> list[str]:
         fn, config = t.task_function, t.task_config
-        return ["task-module", fn.__module__, "task-name", fn.__name__, "nnodes", str(config.nnodes), "nproc-per-node", str(config.nproc_per_node)]
+        numbers = [(arg, getattr(config, field)) for arg, field in _SIZES] + [(arg, config.rdzv_configs[key]) for arg, key in _RDZV]
+        return ["task-module", fn.__module__, "task-name", fn.__name__, *(str(x) for pair in numbers for x in pair)]
 
     def get_all_tasks(self) -> list:
         return []

@@ -10,12 +10,14 @@ from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
 
 from containers.images import cpu_image
-from miles_core.config import DataConfig, ModelConfig, TrainConfig
+from miles_core.config import DataConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.data.problems import make_problem_set, write_jsonl
 from miles_core.data.source import load_prompts
 from miles_core.models.source import admit, fetch_base
 from miles_core.storage import atomic_file, sha256_file
 from tasks.common import Dataset, Policy, cache_version, new_artifact, uploaded_dir, uploaded_file
+from tasks.metadata import MEDIUM, cached, declared
+from tasks.retry import recoverable
 
 
 def _download(uri: str, local: str) -> None:
@@ -23,7 +25,8 @@ def _download(uri: str, local: str) -> None:
     FlyteContextManager.current_context().file_access.get_data(uri, local, is_multipart=True)
 
 
-@task(cache=True, cache_version=cache_version(ModelConfig, module=__name__), container_image=cpu_image)
+@task(**cached(cache_version(ModelConfig, module=__name__)), container_image=cpu_image, **declared("base_model", MEDIUM, minutes=240))
+@recoverable
 def base_model(cfg: ModelConfig, root: str) -> Policy:
     """The base policy as version 0: the checkpoint model.path names, or the tiny model; its source and digest in source.json."""
     out, dest = new_artifact(root, "base", 0, cfg)
@@ -32,15 +35,17 @@ def base_model(cfg: ModelConfig, root: str) -> Policy:
     return Policy(dir=uploaded_dir(out, dest), version=0)
 
 
-@task(cache=True, cache_version=cache_version(TrainConfig, module=__name__), container_image=cpu_image)
-def admit_model(base: Policy, train: TrainConfig) -> Policy:
+@task(**cached(cache_version(TrainConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("admit_model", MEDIUM, minutes=60))
+@recoverable
+def admit_model(base: Policy, train: TrainConfig, rollout: RolloutConfig) -> Policy:
     """The base policy, once the boundary check passed (whole weights, fitting tokenizer, an architecture and
-    shape the trainer backend takes); every later stage starts from this output, so a refusal comes first."""
-    admit(base.dir.download(), train)
+    shape the trainer backend and the rollout engine take); every later stage starts from this output, so a refusal comes first."""
+    admit(base.dir.download(), train, rollout)
     return base
 
 
-@task(cache=True, cache_version=cache_version(DataConfig, module=__name__), container_image=cpu_image)
+@task(**cached(cache_version(DataConfig, module=__name__)), container_image=cpu_image, **declared("make_data", MEDIUM, minutes=60))
+@recoverable
 def make_data(cfg: DataConfig, root: str) -> Dataset:
     """The problem set's splits, or the user's prompt files checked row by row and copied in."""
     out, dest = new_artifact(root, "data", 0, cfg)

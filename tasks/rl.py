@@ -8,9 +8,10 @@ under the run root. `code` is the digest of the recipe's plug-in modules the tas
 convert, train and publish run as kfpytorch `Elastic` tasks: their workers are fresh processes
 (torchrun semantics, one per GPU on a cluster; locally `start_method="fork"`, gloo on CPU), so a
 backend's process groups never live in the workflow's own process. Elastic returns rank 0's
-value. The train task's processes (`train_task`: a variant defined with the recipe's nnodes x nproc_per_node) and
-the GPUs and memory of the train, rollout and evaluate pods (`train_overrides`, `rollout_overrides`) come from the
-recipe; the workflow applies them.
+value. The train task's processes (`train_task`: a variant defined with the recipe's nnodes x nproc_per_node), every
+Elastic task's restarts and rendezvous (`tasks.elastic.elastic`), and each node's GPUs, memory, retries and timeout
+(`tasks.metadata.stage_overrides`) come from the recipe; the workflow applies them. What each task declares is the
+default (tasks/metadata.py); `recoverable` marks network and object-store errors for Flyte's retries (tasks/retry.py).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from flytekit import Resources, task
+from flytekit import task
 from flytekit.types.file import FlyteFile
 from flytekitplugins.kfpytorch import Elastic
 from transformers import AutoTokenizer
 
 from containers.images import cpu_image
-from miles_core.config import AlgoConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
+from miles_core.config import AlgoConfig, ClusterConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, load_prompts
 from miles_core.models import vocab_size
 from miles_core.plugins import plugin
@@ -46,37 +47,18 @@ from tasks.common import (
     uploaded_file,
     uri_of,
 )
-from tasks.elastic import elastic_task, sized
+from tasks.elastic import elastic, elastic_task
+from tasks.metadata import DEFAULTS, cached, declared
+from tasks.retry import recoverable
 
 ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork")
-LOCAL_RESOURCES = Resources(cpu="2", mem="8Gi")
 
 
-def pod_resources(gpus: int, memory_gb: int) -> dict:
-    """A pod's requests and limits from the recipe: its GPUs with 8 CPUs each, and memory_gb GiB of host memory
-    (0 = 64 per GPU). Neither GPUs nor memory: {} (the task's own defaults)."""
-    if not gpus and not memory_gb:
-        return {}
-    mem = f"{memory_gb or 64 * gpus}Gi"
-    resources = Resources(cpu=str(8 * gpus), mem=mem, gpu=str(gpus)) if gpus else Resources(mem=mem)
-    return {"requests": resources, "limits": resources}
-
-
-def train_task(cfg: TrainConfig):
+def train_task(cfg: TrainConfig, cluster: ClusterConfig = DEFAULTS):
     """The train task with the recipe's processes, train.nnodes x train.nproc_per_node (data parallel on either backend;
-    megatron also splits tensors, layers and experts). Locally the workers fork from the task's process; on a cluster
-    each node is a pod."""
-    return sized(train, cfg.nnodes, cfg.nproc_per_node)
-
-
-def train_overrides(cfg: TrainConfig) -> dict:
-    """What the recipe decides about the train task's pods besides their processes: on GPU nodes, GPUs and memory."""
-    return pod_resources(cfg.gpus_per_node, cfg.memory_gb)
-
-
-def rollout_overrides(rollout: RolloutConfig) -> dict:
-    """What the recipe decides about the rollout and evaluate pods: the GPUs of the SGLang servers they launch, and memory."""
-    return pod_resources(rollout.gpus(), rollout.memory_gb)
+    megatron also splits tensors, layers and experts), and its restarts and rendezvous timeouts. Locally the workers fork
+    from the task's process; on a cluster each node is a pod."""
+    return elastic(train, cluster, cfg.nnodes, cfg.nproc_per_node)
 
 
 def _forked_worker() -> None:
@@ -89,13 +71,8 @@ def _prompts(dataset_file, data: DataConfig):
     return load_prompts(dataset_file.download(), data.input_key, data.label_key, data.metadata_key)
 
 
-@task(
-    cache=True,
-    cache_version=cache_version(TrainConfig, AlgoConfig, module=__name__),
-    container_image=cpu_image,
-    task_config=ONE_PROCESS,
-    requests=LOCAL_RESOURCES,
-)
+@elastic_task(**cached(cache_version(TrainConfig, AlgoConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("convert"))
+@recoverable
 def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Checkpoint:
     """Base HF checkpoint -> the backend's checkpoint format (megatron: torch_dist, reshardable), and a fresh critic for PPO."""
     _forked_worker()
@@ -105,7 +82,8 @@ def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Ch
     return Checkpoint(dir=uploaded_dir(out, dest), step=0)
 
 
-@task(cache=True, cache_version=cache_version(RolloutConfig, DataConfig, RewardConfig, module=__name__), container_image=cpu_image)
+@task(**cached(cache_version(RolloutConfig, DataConfig, RewardConfig, module=__name__)), container_image=cpu_image, **declared("rollout"))
+@recoverable
 def rollout(
     cfg: RolloutConfig,
     data: DataConfig,
@@ -135,7 +113,8 @@ def rollout(
     return RolloutResult(batch=uploaded_file(out, dest), state=source.state, metrics=metrics, buffer=left_file)
 
 
-@task(cache=True, cache_version=cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__), container_image=cpu_image)
+@task(**cached(cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("score"))
+@recoverable
 def score(
     cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy: Policy, batch: RolloutResult, iteration: int, root: str, code: str
 ) -> BatchResult:
@@ -149,12 +128,12 @@ def score(
 
 
 @elastic_task(
-    cache=True,
-    cache_version=cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, module=__name__),
+    **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, module=__name__)),
     container_image=cpu_image,
     task_config=Elastic(nnodes=1, nproc_per_node=TrainConfig().nproc_per_node, start_method="fork"),  # a run's: train_task(cfg)
-    requests=LOCAL_RESOURCES,
+    **declared("train"),
 )
+@recoverable
 def train(
     algo: AlgoConfig,
     cfg: TrainConfig,
@@ -180,13 +159,8 @@ def train(
     return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics)
 
 
-@task(
-    cache=True,
-    cache_version=cache_version(PublishConfig, TrainConfig, module=__name__),
-    container_image=cpu_image,
-    task_config=ONE_PROCESS,
-    requests=LOCAL_RESOURCES,
-)
+@elastic_task(**cached(cache_version(PublishConfig, TrainConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("publish"))
+@recoverable
 def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent: Policy, root: str) -> Policy:
     """Export the checkpoint (any parallel sizes) as the next policy version (HF safetensors + lineage manifest)."""
     _forked_worker()
@@ -196,7 +170,8 @@ def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent
     return Policy(dir=uploaded_dir(out, dest), version=version)
 
 
-@task(cache=True, cache_version=cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig, module=__name__), container_image=cpu_image)
+@task(**cached(cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("evaluate"))
+@recoverable
 def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: RolloutConfig, policy: Policy, dataset: Dataset, code: str) -> dict[str, float]:
     """Held-out evaluation of a policy version (evaluation.fn, greedy accuracy by default)."""
     policy_dir = policy.dir.download()

@@ -19,6 +19,8 @@ from miles_core.config.model import URI_SCHEMES
 from miles_core.models.source import SOURCE_FILE, read_source
 from miles_core.weights.publish import read_manifest
 from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking, member, uri_of
+from tasks.metadata import SMALL, declared
+from tasks.retry import recoverable
 
 
 @dataclass
@@ -30,7 +32,8 @@ class Report:
     tracking: Tracking
 
 
-@task(cache=False, container_image=cpu_image)
+@task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
+@recoverable
 def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, evaluation: dict[str, float]) -> Tracking:
     uri = tracking.tracking_uri(cfg.tracking, cfg.run_root)
     execution = flytekit.current_context().execution_id
@@ -56,7 +59,8 @@ def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, eva
     return Tracking(uri=uri, run_id=run_id)
 
 
-@task(cache=False, container_image=cpu_image)
+@task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
+@recoverable
 def log_iteration(
     run: Tracking, iteration: int, rollout: dict[str, float], score: dict[str, float], train: dict[str, float], evaluation: dict[str, float], policy: Policy
 ) -> None:
@@ -70,7 +74,8 @@ def log_iteration(
     print(line, flush=True)
 
 
-@task(cache=False, enable_deck=True, container_image=cpu_image)
+@task(cache=False, enable_deck=True, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
+@recoverable
 def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float], policy: Policy, root: str) -> Report:
     manifest = read_manifest(member(policy.dir, "policy.json").parent)
     learned, verdict = tracking.learning_verdict(before["eval/accuracy"], after["eval/accuracy"], after["eval/prompts"])
@@ -98,7 +103,8 @@ def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float],
     return report
 
 
-@task(cache=False, container_image=cpu_image)
+@task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
+@recoverable
 def log_phase(run: Tracking, first_iteration: int, phase: AsyncPhaseResult, evaluation: dict[str, float]) -> None:
     """An async phase's K steps as K iterations (training + async metrics), its totals and evaluation at the last."""
     last = first_iteration + len(phase.steps)

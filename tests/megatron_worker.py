@@ -79,27 +79,94 @@ def convert(root: Path, *archs: str) -> dict:
     return {arch: convert_one(root / arch, arch) for arch in archs}
 
 
-def convert_one(root: Path, arch: str) -> dict:
+def _with_routing_bias(hf_dir: Path) -> None:
+    """Give the sigmoid routers' correction biases (zeros in a fresh model) values that change which experts win."""
+    from safetensors.torch import load_file, save_file
+
+    path = hf_dir / "model.safetensors"
+    state, g = load_file(str(path)), torch.Generator().manual_seed(2)
+    biases = [k for k in state if k.endswith("e_score_correction_bias")]
+    for name in biases:
+        state[name] = torch.randn(state[name].shape, generator=g) * 0.1
+    if biases:
+        save_file(state, str(path), metadata={"format": "pt"})
+
+
+# families the megatron backend maps that have no tiny family in the project: their transformers classes at TINY's
+# sizes, with the MLA head split of the tiny deepseek_v3
+_MLA = {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+BUILT_HERE = {
+    # GLM-4.7-Flash: DeepSeek-V3's layers, dense layers named by mlp_layer_types, rms_norm_eps 1e-5
+    "glm4_moe_lite": ("Glm4MoeLite", {**_MLA, "q_lora_rank": 48, "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.8}),
+    # DeepSeek-V2(-Lite): queries without a low-rank projection, softmax routing limited to the best expert of 2 of 4 groups
+    "deepseek_v2": (
+        "DeepseekV2",
+        {
+            **_MLA,
+            "q_lora_rank": None,
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "topk_method": "group_limited_greedy",
+            "routed_scaling_factor": 1.5,
+        },
+    ),
+}
+
+
+def _tiny_built_here(arch: str, out: Path) -> None:
     import transformers
+
+    from miles_core.models.tiny import build_tokenizer
+
+    name, fields = BUILT_HERE[arch]
+    tokenizer = build_tokenizer()
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        pad_token_id=0,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        **sizes,
+        **fields,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        getattr(transformers, f"{name}ForCausalLM")(config).float().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def convert_one(root: Path, arch: str) -> dict:
     from safetensors.torch import load_file
 
+    from miles_core.checkpoint.hf_megatron import text_weights
     from miles_core.checkpoint.torch_dist import hf_to_torch_dist, load_megatron_model, torch_dist_to_hf
+    from miles_core.models import load_causal_lm
     from miles_core.train.megatron.logits import positions
 
-    build_tiny_model(ModelConfig(arch=arch, **TINY), root / "hf")
+    if arch in BUILT_HERE:
+        _tiny_built_here(arch, root / "hf")
+    else:
+        build_tiny_model(ModelConfig(arch=arch, **TINY), root / "hf")
+    _with_routing_bias(root / "hf")
     hf_to_torch_dist(root / "hf", root / "mg")
     torch_dist_to_hf(root / "mg", root / "back")
-    before, after = load_file(str(root / "hf/model.safetensors")), load_file(str(root / "back/model.safetensors"))
     model, spec = load_megatron_model(root / "mg")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    before, after = text_weights(spec, load_file(str(root / "hf/model.safetensors"))), load_file(str(root / "back/model.safetensors"))
+    reference = load_causal_lm(str(root / "hf"), torch.float32).eval()
+    exported = load_causal_lm(str(root / "back"), torch.float32).eval()
     ids = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
         got = model.eval()(input_ids=ids, position_ids=positions(ids), attention_mask=None)[..., : spec.vocab_size]
+        again = exported(input_ids=ids).logits
     return {
         "same_names": sorted(before) == sorted(after),
         "bitwise": all(torch.equal(before[k], after[k]) for k in before),
         "max_logit_diff": float((expected - got).abs().max()),
+        "exported_logits_equal": torch.equal(expected, again),
         "logit_scale": float(expected.abs().max()),
     }
 

@@ -28,6 +28,6 @@ class Converted(NamedTuple):
 
 @workflow
 def convert(cfg: RunConfig = RunConfig()) -> Converted:  # noqa: B008 (the workflow's default input, frozen)
-    base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train)
+    base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train, rollout=cfg.rollout)
     checkpoint = to_backend(cfg=cfg.train, algo=cfg.algo, policy=base, root=cfg.run_root)
     return checkpoint, publish(cfg=cfg.publish, train_cfg=cfg.train, ckpt=checkpoint, parent=base, root=cfg.run_root)

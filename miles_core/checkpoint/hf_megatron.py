@@ -1,97 +1,51 @@
-"""HF <-> megatron-core GPTModel weight mapping for Qwen2, Qwen3, Llama (dense) and Qwen3-MoE.
+"""HF <-> megatron-core GPTModel weight mapping for every family in `arch.ARCHS` (dense GQA, Qwen3-MoE, MLA, DeepSeek MoE).
 
 Pure tensor code (no megatron import): an HF state dict as stored in `model.safetensors` maps to
 the state dict of an unsharded (TP=PP=EP=1) GPTModel built with the local layer spec, and back.
 Sharding is megatron's business: `miles_core.checkpoint.torch_dist` saves this state with
 `dist_checkpointing`, which reshards it to any TP/PP/EP on load.
 
-What the mapping does, per layer:
+Each layer is a list of Links, one per megatron tensor: the HF tensors it is made of, how they are
+joined (HF -> megatron) and split (megatron -> HF), so both directions read the same table.
 * q/k/v projections (GQA) fuse into `linear_qkv`, grouped per KV head: for each of the
   num_kv_heads groups, that group's query heads, then its key head, then its value head; biases
-  (Qwen2) the same way.
-* gate/up projections (SwiGLU) fuse into `linear_fc1` as [gate; up]; experts likewise.
-* q/k norms (Qwen3) map to `q_layernorm` / `k_layernorm`.
+  (Qwen2, GLM-4.5) the same way.  q/k norms (Qwen3, GLM-4.5 with use_qk_norm) map to `q_layernorm` / `k_layernorm`.
+* Multi-latent attention (DeepSeek-V2/V3, Kimi-K2.5, GLM-4.7-Flash) maps one to one: q_a/q_b -> linear_q_down/up_proj,
+  kv_a_proj_with_mqa/kv_b -> linear_kv_down/up_proj and their norms; megatron-core splits heads into
+  no-RoPE and RoPE parts in HF's order and de-interleaves the RoPE part as HF's `rope_interleave` does.
+* gate/up projections (SwiGLU) fuse into `linear_fc1` as [gate; up]; experts and shared experts likewise.
+  A sigmoid router's `e_score_correction_bias` is megatron's `router.expert_bias` buffer (fp32 in both, and
+  in every published dtype: `keeps_fp32`).
 * The vocabulary is padded with zero rows to a multiple of VOCAB_PAD_MULTIPLE, independent of the
   TP size so one checkpoint loads at any TP; the padding is cut on the way back.
-* Tied embeddings (Qwen2/Qwen3 tiny models) have no `output_layer`; untied ones (Llama,
-  Qwen3-MoE) map `lm_head` to it.
+* Tied embeddings have no `output_layer`; untied ones map `lm_head` to it.
+* A multimodal checkpoint (Kimi-K2.5) converts its text model: its `language_model.` tensors, named as
+  the text causal LM's; the way back writes that text model (as the torch backend publishes it).
+  Multi-token-prediction layers of a checkpoint are not read (transformers does not build them either).
 """
 
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
-VOCAB_PAD_MULTIPLE = 128  # megatron's make_vocab_size_divisible_by default; divisible by any TP <= 128
-ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
+from miles_core.checkpoint.arch import ARCHS, MULTIMODAL, VOCAB_PAD_MULTIPLE, ArchSpec, arch_spec, megatron_refusal, text_config
 
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """What the mapping and the megatron model builder need from an HF config.json."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    norm_eps: float
-    rope_theta: float
-    max_positions: int
-    tied_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    num_experts: int = 0
-    moe_top_k: int = 0
-    moe_ffn_hidden_size: int = 0
-    moe_renormalize: bool = False  # Qwen3-MoE norm_topk_prob: top-k weights sum to 1
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
-
-
-def arch_spec(hf_config: dict, source: str = "config.json") -> ArchSpec:
-    """The ArchSpec of an HF config (a dict as in config.json); unsupported models fail here."""
-    kind = hf_config.get("model_type")
-    if kind not in ARCHS:
-        raise ValueError(f"{source}: model_type {kind!r} is not supported by the megatron conversion (supported: {', '.join(ARCHS)})")
-    rope = hf_config.get("rope_parameters") or {}
-    heads = hf_config["num_attention_heads"]
-    moe = kind == "qwen3_moe"
-    return ArchSpec(
-        model_type=kind,
-        vocab_size=hf_config["vocab_size"],
-        hidden_size=hf_config["hidden_size"],
-        num_layers=hf_config["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf_config.get("num_key_value_heads", heads),
-        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
-        ffn_hidden_size=hf_config["intermediate_size"],
-        norm_eps=hf_config.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", hf_config.get("rope_theta", 10000.0)),
-        max_positions=hf_config.get("max_position_embeddings", 4096),
-        tied_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-        qkv_bias=kind == "qwen2" or bool(hf_config.get("attention_bias", False)),
-        qk_norm=kind in ("qwen3", "qwen3_moe"),
-        num_experts=hf_config.get("num_local_experts", hf_config.get("num_experts", 0)) if moe else 0,
-        moe_top_k=hf_config.get("num_experts_per_tok", 0) if moe else 0,
-        moe_ffn_hidden_size=hf_config.get("moe_intermediate_size", 0) if moe else 0,
-        moe_renormalize=bool(hf_config.get("norm_topk_prob", False)),
-    )
+__all__ = ["ARCHS", "VOCAB_PAD_MULTIPLE", "ArchSpec", "arch_spec", "export_config", "hf_to_megatron", "keeps_fp32", "megatron_refusal", "megatron_to_hf"]
+# multimodal model_type -> (prefix of its text model's tensors, renamings inside it as checkpoints spell them)
+TEXT_WEIGHTS = {"kimi_k25": ("language_model.", (("model.blocks.", "model.layers."),))}
+_TEXT_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
     config = json.loads(path.read_text())
-    arch_spec(config, str(path))  # fails here, naming the file, for an unsupported model
+    arch_spec(config, str(path))  # fails here, naming the file, for a family megatron cannot train
     return config
 
 
@@ -99,99 +53,146 @@ def read_arch(hf_dir: str | Path) -> ArchSpec:
     return arch_spec(read_hf_config(hf_dir))
 
 
-def _fuse_qkv(spec: ArchSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    groups, rest = spec.num_kv_heads, q.shape[1:]  # rest = (hidden,) for weights, () for biases
-    fused = torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], dim=1)
-    return fused.reshape(-1, *rest)  # [(heads + 2 * kv_heads) * head_dim, ...]
+def keeps_fp32(spec: ArchSpec, hf_name: str) -> bool:
+    """A sigmoid router's weight and correction bias stay fp32 in any published dtype, as transformers keeps them
+    (`_keep_in_fp32_modules_strict`) and megatron keeps the bias: rounding the bias would change which experts win."""
+    return spec.moe_sigmoid and hf_name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
 
 
-def _split_qkv(spec: ArchSpec, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    per_group = spec.num_heads // spec.num_kv_heads * spec.head_dim
-    grouped = fused.reshape(spec.num_kv_heads, per_group + 2 * spec.head_dim, *fused.shape[1:])
-    q, k, v = grouped.split([per_group, spec.head_dim, spec.head_dim], dim=1)
-    return (t.reshape(-1, *fused.shape[1:]).contiguous() for t in (q, k, v))
+def export_config(hf_config: dict) -> dict:
+    """The config.json of the HF model megatron_to_hf's tensors form: a multimodal checkpoint's text causal LM."""
+    kind = hf_config.get("model_type")
+    if kind not in MULTIMODAL:
+        return hf_config
+    return {**text_config(hf_config), "architectures": [_TEXT_CLASSES[MULTIMODAL[kind]]]}
 
 
-def _pad_vocab(spec: ArchSpec, weight: torch.Tensor) -> torch.Tensor:
-    return torch.cat([weight, weight.new_zeros(spec.padded_vocab_size - weight.shape[0], weight.shape[1])])
-
-
-def _layer_to_megatron(spec: ArchSpec, hf: dict, i: int) -> dict[str, torch.Tensor]:
-    src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-    attn = f"{src}self_attn."
-    out = {
-        f"{dst}input_layernorm.weight": hf[f"{src}input_layernorm.weight"],
-        f"{dst}pre_mlp_layernorm.weight": hf[f"{src}post_attention_layernorm.weight"],
-        f"{dst}self_attention.linear_qkv.weight": _fuse_qkv(spec, *(hf[f"{attn}{p}_proj.weight"] for p in "qkv")),
-        f"{dst}self_attention.linear_proj.weight": hf[f"{attn}o_proj.weight"],
-    }
-    if spec.qkv_bias:
-        out[f"{dst}self_attention.linear_qkv.bias"] = _fuse_qkv(spec, *(hf[f"{attn}{p}_proj.bias"] for p in "qkv"))
-    if spec.qk_norm:
-        out[f"{dst}self_attention.q_layernorm.weight"] = hf[f"{attn}q_norm.weight"]
-        out[f"{dst}self_attention.k_layernorm.weight"] = hf[f"{attn}k_norm.weight"]
-    if spec.num_experts:
-        out[f"{dst}mlp.router.weight"] = hf[f"{src}mlp.gate.weight"]
-        for e in range(spec.num_experts):
-            out.update(_mlp_to_megatron(hf, f"{src}mlp.experts.{e}.", f"{dst}mlp.experts.local_experts.{e}."))
-    else:
-        out.update(_mlp_to_megatron(hf, f"{src}mlp.", f"{dst}mlp."))
+def text_weights(spec: ArchSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The causal LM's tensors of an HF state dict under the text model's names (the vision tower left out)."""
+    if spec.model_type not in TEXT_WEIGHTS:
+        return hf
+    prefix, renames = TEXT_WEIGHTS[spec.model_type]
+    out = {}
+    for name, tensor in hf.items():
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            for old, new in renames:
+                name = new + name[len(old) :] if name.startswith(old) else name
+            out[name] = tensor
     return out
 
 
-def _mlp_to_megatron(hf: dict, src: str, dst: str) -> dict[str, torch.Tensor]:
-    return {
-        f"{dst}linear_fc1.weight": torch.cat([hf[f"{src}gate_proj.weight"], hf[f"{src}up_proj.weight"]]),  # [2 * ffn, hidden]
-        f"{dst}linear_fc2.weight": hf[f"{src}down_proj.weight"],
-    }
+def _only(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0]
+
+
+def _whole(t: torch.Tensor) -> list[torch.Tensor]:
+    return [t]
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts)  # [gate; up]: [2 * ffn, hidden]
+
+
+def _halves(t: torch.Tensor) -> list[torch.Tensor]:
+    return list(t.chunk(2))
+
+
+def _fuse_qkv(spec: ArchSpec, parts: list[torch.Tensor]) -> torch.Tensor:
+    groups, rest = spec.num_kv_heads, parts[0].shape[1:]  # rest = (hidden,) for weights, () for biases
+    fused = torch.cat([p.reshape(groups, -1, *rest) for p in parts], dim=1)
+    return fused.reshape(-1, *rest)  # [(heads + 2 * kv_heads) * head_dim, ...]
+
+
+def _split_qkv(spec: ArchSpec, fused: torch.Tensor) -> list[torch.Tensor]:
+    per_group = spec.num_heads // spec.num_kv_heads * spec.head_dim
+    grouped = fused.reshape(spec.num_kv_heads, per_group + 2 * spec.head_dim, *fused.shape[1:])
+    return [t.reshape(-1, *fused.shape[1:]) for t in grouped.split([per_group, spec.head_dim, spec.head_dim], dim=1)]
+
+
+def _pad_vocab(spec: ArchSpec, parts: list[torch.Tensor]) -> torch.Tensor:
+    weight = parts[0]
+    return torch.cat([weight, weight.new_zeros(spec.padded_vocab_size - weight.shape[0], weight.shape[1])])
+
+
+def _unpad_vocab(spec: ArchSpec, weight: torch.Tensor) -> list[torch.Tensor]:
+    return [weight[: spec.vocab_size]]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One megatron tensor, the HF tensors it is made of, and the two directions between them."""
+
+    mg: str
+    hf: tuple[str, ...]
+    join: Callable[[list[torch.Tensor]], torch.Tensor] = _only  # HF tensors -> megatron tensor
+    split: Callable[[torch.Tensor], list[torch.Tensor]] = _whole  # megatron tensor -> HF tensors
+
+
+def _copy(pairs: dict[str, str], dst: str, src: str) -> list[Link]:
+    return [Link(dst + mg, (src + hf,)) for mg, hf in pairs.items()]
+
+
+def _swiglu(dst: str, src: str) -> list[Link]:
+    return [
+        Link(f"{dst}linear_fc1.weight", (f"{src}gate_proj.weight", f"{src}up_proj.weight"), _cat, _halves),
+        Link(f"{dst}linear_fc2.weight", (f"{src}down_proj.weight",)),
+    ]
+
+
+def _gqa(spec: ArchSpec, dst: str, src: str) -> list[Link]:
+    fuse, split = partial(_fuse_qkv, spec), partial(_split_qkv, spec)
+    links = [Link(f"{dst}linear_qkv.weight", tuple(f"{src}{p}_proj.weight" for p in "qkv"), fuse, split)]
+    if spec.qkv_bias:
+        links.append(Link(f"{dst}linear_qkv.bias", tuple(f"{src}{p}_proj.bias" for p in "qkv"), fuse, split))
+    if spec.qk_norm:
+        links += _copy({"q_layernorm.weight": "q_norm.weight", "k_layernorm.weight": "k_norm.weight"}, dst, src)
+    return links + _copy({"linear_proj.weight": "o_proj.weight"}, dst, src)
+
+
+def _mla(spec: ArchSpec, dst: str, src: str) -> list[Link]:
+    pairs = {"linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight", "kv_layernorm.weight": "kv_a_layernorm.weight"}
+    pairs |= {"linear_kv_up_proj.weight": "kv_b_proj.weight", "linear_proj.weight": "o_proj.weight"}
+    if spec.mla.q_lora_rank:
+        pairs |= {"linear_q_down_proj.weight": "q_a_proj.weight", "q_layernorm.weight": "q_a_layernorm.weight", "linear_q_up_proj.weight": "q_b_proj.weight"}
+    else:
+        pairs["linear_q_proj.weight"] = "q_proj.weight"
+    return _copy(pairs, dst, src)
+
+
+def _mlp(spec: ArchSpec, i: int, dst: str, src: str) -> list[Link]:
+    if not spec.is_moe_layer(i):
+        return _swiglu(dst, src)
+    links = [Link(f"{dst}router.weight", (f"{src}gate.weight",))]
+    if spec.moe_sigmoid:
+        links.append(Link(f"{dst}router.expert_bias", (f"{src}gate.e_score_correction_bias",)))
+    for e in range(spec.num_experts):
+        links += _swiglu(f"{dst}experts.local_experts.{e}.", f"{src}experts.{e}.")
+    if spec.moe_shared_ffn_hidden_size:
+        links += _swiglu(f"{dst}shared_experts.", f"{src}shared_experts.")
+    return links
+
+
+def links(spec: ArchSpec) -> list[Link]:
+    """Every tensor of the unsharded GPTModel with the HF tensors it comes from."""
+    pad, unpad = partial(_pad_vocab, spec), partial(_unpad_vocab, spec)
+    out = [Link("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), pad, unpad), Link("decoder.final_layernorm.weight", ("model.norm.weight",))]
+    if not spec.tied_embeddings:
+        out.append(Link("output_layer.weight", ("lm_head.weight",), pad, unpad))
+    for i in range(spec.num_layers):
+        dst, src = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out += _copy({"input_layernorm.weight": "input_layernorm.weight", "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}, dst, src)
+        out += (_mla if spec.mla else _gqa)(spec, f"{dst}self_attention.", f"{src}self_attn.")
+        out += _mlp(spec, i, f"{dst}mlp.", f"{src}mlp.")
+    return out
 
 
 def hf_to_megatron(spec: ArchSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF state dict (safetensors names) -> unsharded megatron GPTModel state dict."""
-    out = {"embedding.word_embeddings.weight": _pad_vocab(spec, hf["model.embed_tokens.weight"]), "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    if not spec.tied_embeddings:
-        out["output_layer.weight"] = _pad_vocab(spec, hf["lm_head.weight"])
-    for i in range(spec.num_layers):
-        out.update(_layer_to_megatron(spec, hf, i))
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def _layer_to_hf(spec: ArchSpec, mg: dict, i: int) -> dict[str, torch.Tensor]:
-    src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-    attn = f"{dst}self_attn."
-    q, k, v = _split_qkv(spec, mg[f"{src}self_attention.linear_qkv.weight"])
-    out = {
-        f"{dst}input_layernorm.weight": mg[f"{src}input_layernorm.weight"],
-        f"{dst}post_attention_layernorm.weight": mg[f"{src}pre_mlp_layernorm.weight"],
-        f"{attn}q_proj.weight": q,
-        f"{attn}k_proj.weight": k,
-        f"{attn}v_proj.weight": v,
-        f"{attn}o_proj.weight": mg[f"{src}self_attention.linear_proj.weight"],
-    }
-    if spec.qkv_bias:
-        out.update(zip((f"{attn}{p}_proj.bias" for p in "qkv"), _split_qkv(spec, mg[f"{src}self_attention.linear_qkv.bias"])))
-    if spec.qk_norm:
-        out[f"{attn}q_norm.weight"] = mg[f"{src}self_attention.q_layernorm.weight"]
-        out[f"{attn}k_norm.weight"] = mg[f"{src}self_attention.k_layernorm.weight"]
-    if spec.num_experts:
-        out[f"{dst}mlp.gate.weight"] = mg[f"{src}mlp.router.weight"]
-        for e in range(spec.num_experts):
-            out.update(_mlp_to_hf(mg, f"{src}mlp.experts.local_experts.{e}.", f"{dst}mlp.experts.{e}."))
-    else:
-        out.update(_mlp_to_hf(mg, f"{src}mlp.", f"{dst}mlp."))
-    return out
-
-
-def _mlp_to_hf(mg: dict, src: str, dst: str) -> dict[str, torch.Tensor]:
-    gate, up = mg[f"{src}linear_fc1.weight"].chunk(2)
-    return {f"{dst}gate_proj.weight": gate, f"{dst}up_proj.weight": up, f"{dst}down_proj.weight": mg[f"{src}linear_fc2.weight"]}
+    hf = text_weights(spec, hf)
+    return {link.mg: link.join([hf[name] for name in link.hf]).contiguous() for link in links(spec)}
 
 
 def megatron_to_hf(spec: ArchSpec, mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Unsharded megatron GPTModel state dict -> HF state dict (safetensors names, vocab unpadded)."""
-    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][: spec.vocab_size], "model.norm.weight": mg["decoder.final_layernorm.weight"]}
-    if not spec.tied_embeddings:
-        out["lm_head.weight"] = mg["output_layer.weight"][: spec.vocab_size]
-    for i in range(spec.num_layers):
-        out.update(_layer_to_hf(spec, mg, i))
-    return {k: v.contiguous() for k, v in out.items()}
+    """Unsharded megatron GPTModel state dict -> HF state dict of the (text) causal LM (safetensors names, vocab unpadded)."""
+    return {name: t.contiguous() for link in links(spec) for name, t in zip(link.hf, link.split(mg[link.mg]))}

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from miles_core.checkpoint.hf_megatron import ArchSpec, hf_to_megatron, megatron_to_hf, read_arch, read_hf_config
+from miles_core.checkpoint.hf_megatron import ArchSpec, export_config, hf_to_megatron, keeps_fp32, megatron_to_hf, read_arch, read_hf_config
 from miles_core.train.megatron.model import Parallel, build_model, init_parallel
 
 MODEL_DIR = "model"
@@ -101,10 +101,15 @@ def _source_name(spec: ArchSpec, name: str) -> str:
     return "embedding.word_embeddings.weight" if name == "output_layer.weight" and spec.tied_embeddings else name
 
 
+def _tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights: its parameters and the routers' expert biases (buffers that the checkpoint holds)."""
+    return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))]
+
+
 @torch.no_grad()
 def load_full_state(model, spec: ArchSpec, full: dict[str, torch.Tensor]) -> None:
     """Copy an unsharded GPTModel state into this rank's shards of `model` (an unwrapped GPTModel)."""
-    for name, param in model.named_parameters():
+    for name, param in _tensors(model):
         param.copy_(_shard(name, param, full[_source_name(spec, _global_name(model, name))]))
 
 
@@ -112,7 +117,7 @@ def load_full_state(model, spec: ArchSpec, full: dict[str, torch.Tensor]) -> Non
 def gather_full_state(model, spec: ArchSpec) -> dict[str, torch.Tensor]:
     """The unsharded GPTModel state, on every rank (collective over the whole world)."""
     mine = {}
-    for name, param in model.named_parameters():
+    for name, param in _tensors(model):
         full = _unshard(name, param)
         key = _global_name(model, name)
         if not (key == "output_layer.weight" and spec.tied_embeddings):
@@ -162,11 +167,12 @@ def load_megatron_model(ckpt_dir: str | Path, parallel: Parallel = Parallel(), s
 
 
 def write_hf(spec: ArchSpec, full: dict[str, torch.Tensor], hf_config: dict, out_dir: str | Path, dtype: str) -> None:
-    """An HF safetensors directory (model.safetensors + config.json) from an unsharded GPTModel state."""
-    hf = {k: v.to(_DTYPES[dtype]).contiguous() for k, v in megatron_to_hf(spec, full).items()}
+    """An HF safetensors directory (model.safetensors + config.json) from an unsharded GPTModel state (a multimodal
+    checkpoint's text model: what megatron trains), in `dtype` but for the tensors HF keeps in fp32."""
+    hf = {k: v.to(torch.float32 if keeps_fp32(spec, k) else _DTYPES[dtype]).contiguous() for k, v in megatron_to_hf(spec, full).items()}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     save_file(hf, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
-    (Path(out_dir) / "config.json").write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2))
+    (Path(out_dir) / "config.json").write_text(json.dumps({**export_config(hf_config), "dtype": dtype}, indent=2))
 
 
 def torch_dist_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> None:

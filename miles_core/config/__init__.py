@@ -10,6 +10,7 @@ path, before anything runs.
 from miles_core.config.algo import ADVANTAGES, AGGREGATIONS, KL_TYPES, LOG_RATIO_CLAMP, POLICY_LOSSES, AlgoConfig
 from miles_core.config.async_phase import SCHEDULES, STALE_POLICIES, AsyncConfig
 from miles_core.config.base import ConfigError
+from miles_core.config.cluster import ACCELERATORS, ClusterConfig
 from miles_core.config.data import DataConfig, SFTConfig
 from miles_core.config.model import MODEL_ARCHS, ModelConfig
 from miles_core.config.recipe import config_hash, flatten, load_recipe
@@ -19,6 +20,7 @@ from miles_core.config.run import RunConfig
 from miles_core.config.train import EvalConfig, HooksConfig, PublishConfig, TrackingConfig, TrainConfig
 
 __all__ = [
+    "ACCELERATORS",
     "ADVANTAGES",
     "AGGREGATIONS",
     "ENGINES",
@@ -32,6 +34,7 @@ __all__ = [
     "WEIGHT_SYNC_MODES",
     "AlgoConfig",
     "AsyncConfig",
+    "ClusterConfig",
     "ConfigError",
     "DataConfig",
     "EvalConfig",

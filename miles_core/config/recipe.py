@@ -18,7 +18,6 @@ import yaml
 
 from miles_core.config.base import ConfigError
 from miles_core.config.bounded_yaml import clip, load_text, read_yaml, short
-from miles_core.config.model import URI_SCHEMES
 from miles_core.config.run import RunConfig
 
 
@@ -100,8 +99,9 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-def load_recipe(path: str | Path, overrides: dict | None = None) -> RunConfig:
-    """Read a YAML recipe (overrides of the defaults), checked key by key; errors name the file."""
+def load_recipe(path: str | Path, overrides: dict | None = None, resolve_root: bool = True) -> RunConfig:
+    """Read a YAML recipe (overrides of the defaults), checked key by key; errors name the file. A local run root is
+    made absolute (against the working directory) unless `resolve_root` is false; an object-store URI stays as written."""
     path = Path(path)
     try:
         values = _read_values(path.resolve())
@@ -116,7 +116,18 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RunConfig:
         raise ConfigError(f"{path}: cannot read the recipe: {err.strerror}") from None
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
-    return dataclasses.replace(cfg, run_root=cfg.run_root if cfg.run_root.startswith(URI_SCHEMES) else str(Path(cfg.run_root).resolve()))
+    if not resolve_root or "://" in cfg.run_root:
+        return cfg
+    return dataclasses.replace(cfg, run_root=str(Path(cfg.run_root).resolve()))
+
+
+def config_from_json(text: str) -> RunConfig:
+    """A RunConfig from JSON text, checked like a recipe's values: unknown keys and wrong types are refused by key path."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"the config is not valid JSON: {err}") from None
+    return _build(RunConfig, values, "")
 
 
 SEEDED_SECTIONS = ("model", "data", "sft", "rollout", "train")

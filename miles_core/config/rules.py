@@ -5,7 +5,7 @@ checks (ranges, finiteness, one key against its neighbour's bound) live in its d
 the rules that need two sections, or two settings whose combination is wrong although each is
 right: rollout log-probs with IS corrections, over-sampling without dynamic sampling, a backend
 with a precision or parallel size it does not read, parallel sizes with the model's shape,
-async phases with what they do not run (a critic, GPUs).
+async phases with what they do not run (a critic, GPUs), a GPU type without GPUs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from miles_core.checkpoint.arch import megatron_refusal
 from miles_core.config.base import ConfigError
 from miles_core.config.model import DENSE_ARCHS
 
@@ -95,8 +96,14 @@ RULES: tuple[Rule, ...] = (
     _torch_ignores("pipeline_parallel", 1),
     _torch_ignores("expert_parallel", 1),
     Rule(
+        "model.arch",
+        lambda c: _megatron(c) and not c.model.path,
+        lambda c: megatron_refusal({"model_type": c.model.arch}) is None,
+        lambda c: f"{c.model.arch!r} cannot train on the megatron backend: {megatron_refusal({'model_type': c.model.arch})}; use train.backend: torch",
+    ),
+    Rule(
         "train.tensor_parallel",
-        lambda c: _megatron(c) and not c.model.path and c.model.arch == "qwen3_moe",
+        lambda c: _megatron(c) and not c.model.path and c.model.arch not in DENSE_ARCHS,
         lambda c: c.train.tensor_parallel == 1,
         lambda c: (
             "megatron-core 0.16.1 trains MoE layers at tensor parallel > 1 only with sequence parallel, which the megatron backend "
@@ -141,6 +148,18 @@ RULES: tuple[Rule, ...] = (
         _async,
         lambda c: c.async_phase.sync_iterations < c.iterations,
         lambda c: f"must be < iterations ({c.iterations}) so that an async phase runs",
+    ),
+    Rule(
+        "cluster.accelerator",
+        lambda c: bool(c.cluster.accelerator),
+        lambda c: bool(c.train.gpus_per_node or c.rollout.gpus()),
+        lambda c: f"{c.cluster.accelerator!r} is the type of the GPUs a pod asks for, and this recipe asks for none: set train.gpus_per_node or rollout GPUs",
+    ),
+    Rule(
+        "async_phase.take_timeout_s",
+        _async,
+        lambda c: c.async_phase.take_timeout_s < c.cluster.timeout_s("async"),
+        lambda c: f"must be below cluster.async_timeout_min ({c.cluster.async_timeout_min} min): the task's own timeout would end the phase first",
     ),
 )
 

@@ -8,6 +8,7 @@ from miles_core.config.algo import AlgoConfig
 from miles_core.config.async_phase import AsyncConfig
 from miles_core.config.base import check as _check
 from miles_core.config.base import check_finite
+from miles_core.config.cluster import ClusterConfig
 from miles_core.config.data import DataConfig, SFTConfig
 from miles_core.config.model import ModelConfig
 from miles_core.config.reward import RewardConfig
@@ -33,9 +34,19 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     hooks: HooksConfig = field(default_factory=HooksConfig)
     async_phase: AsyncConfig = field(default_factory=AsyncConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self):
         _check(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")
         _check(self.iterations >= 1, "iterations", "must be >= 1")
         check_finite(self, "")  # every section, also those whose own checks do not call it
         check_rules(self)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        """A RunConfig from JSON (what `pyflyte run ... --cfg` passes), checked key by key like a recipe: an unknown or
+        misspelt key anywhere, or a value of the wrong type, is refused with its key path. flytekit's command line builds
+        a dataclass input through its `from_json`."""
+        from miles_core.config.recipe import config_from_json  # recipe.py reads recipes into this class: imported when called
+
+        return config_from_json(text)

@@ -21,6 +21,7 @@ Findings with transformers 5.24 on CPU, all families build, load, generate and t
 | glm5_next | no text-only causal LM class exists (only `Glm5NextForConditionalGeneration`) | its multimodal class is the causal LM, vision tower frozen |
 | glm5_next | a shared DSA layer reuses the top-k of the layer right before it; a linear-attention layer in between resets it (ValueError) | indexed layers come in pairs (full, shared) |
 | llama4 | NoPE layers' attention temperature counts positions from the cache index, not position_ids, so left padding shifts it; `Llama4ForConditionalGeneration.forward` on text alone raises AttributeError (`image_outputs`) | published floor_scale 8192 (no effect below 8k tokens); the text causal LM is used |
+| deepseek_v3, deepseek_v32, kimi_k25, glm_moe_dsa, minimax_m2, qwen3_next | the config classes neither write nor read keys the published config.json carries (DeepSeek routing: moe_layer_freq, topk_method, scoring_func; MiniMax-M2: QK norm and routing bias; Qwen3-Next: full_attention_interval), which SGLang needs | `PUBLISHED_KEYS` are written into the tiny config |
 | all | `save_pretrained` writes the published checkpoint layout (per-expert tensors, original prefixes), not the module names | `check_hf_dir` compares against that layout |
 """
 
@@ -356,6 +357,21 @@ FAMILIES: dict[str, Family] = {
     "nemotron_h": Family(formats.NEMOTRON_H, "NemotronHForCausalLM", _nemotron_h),
 }
 
+# Keys the published config.json carries that the transformers config class neither writes nor reads (its
+# modelling code hard-codes them), which other readers of the checkpoint need: SGLang builds DeepSeek-style
+# routing from them and, without MiniMax-M2's, serves that model without its QK norm and routing bias.
+_DEEPSEEK_ROUTING = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+PUBLISHED_KEYS = dict.fromkeys(("deepseek_v3", "deepseek_v32", "kimi_k25", "glm_moe_dsa"), _DEEPSEEK_ROUTING)
+PUBLISHED_KEYS["minimax_m2"] = {"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True, "qk_norm_type": "per_layer"}
+
+
+def published_keys(arch: str, text: transformers.PretrainedConfig) -> dict:
+    """PUBLISHED_KEYS of `arch`, and Qwen3-Next's full_attention_interval (SGLang places its layers by it, not by layer_types)."""
+    if arch == "qwen3_next":
+        return {"full_attention_interval": text.layer_types.index("full_attention") + 1}
+    return PUBLISHED_KEYS.get(arch, {})
+
+
 # model types whose attention is not invariant to left padding (see the findings table)
 EQUAL_LENGTH_BATCHES = frozenset({"deepseek_v4"})
 
@@ -369,4 +385,5 @@ def hf_config(cfg: ModelConfig, ids: dict) -> transformers.PretrainedConfig:
     """The tiny checkpoint's config for `cfg.arch` (multimodal for a vision-language family)."""
     family = FAMILIES[cfg.arch]
     text = family.text_config(cfg, ids)
+    text.update(published_keys(cfg.arch, text))
     return family.multimodal(text, cfg, ids) if family.multimodal else text

@@ -6,11 +6,11 @@ way (`from_pretrained`): weights, config, tokenizer with its chat template, gene
 * `fetch_base(cfg, out, download)`: a checkpoint named by `model.path` is brought in (an
   object-store URI through `download`, the task's file access; a local directory is copied);
   without a path the tiny model is built from the section.
-* `admit(model_dir, train)`: the boundary check, run before any compute reads the weights: a whole
+* `admit(model_dir, train, rollout)`: the boundary check, run before any compute reads the weights: a whole
   checkpoint transformers can build (`weights.check.check_hf_dir`: what the torch trainer, the
   embedded engine and SGLang's transformers fallback all need), a tokenizer whose ids fit the
-  embedding, an architecture the megatron converter supports when it trains, and parallel sizes
-  that divide the model's shape. Each refusal names the file and the key.
+  embedding, an architecture the megatron converter supports when it trains and the SGLang servers it
+  launches serve, and parallel sizes that divide the model's shape. Each refusal names the file and the key.
 * `source.json` in the base directory records where the weights came from and their digest; the
   tracking run logs it, so every policy version traces back to the exact checkpoint it started from.
 """
@@ -23,10 +23,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from miles_core.config import ModelConfig, TrainConfig
+from miles_core.config import ConfigError, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.config.model import URI_SCHEMES
 from miles_core.config.rules import check_parallel_fit
 from miles_core.models.tiny import build_tiny_model
+from miles_core.rollout.engines.sglang_families import CPU_REFUSALS
 from miles_core.storage import atomic_dir
 from miles_core.weights.check import CheckpointError, check_hf_dir, json_object
 
@@ -118,11 +119,32 @@ def _check_backend(directory: Path, config: dict, backend: str) -> None:
         raise CheckpointError(f"{err} (train.backend: megatron)") from None
 
 
-def admit(model_dir: str | Path, train: TrainConfig) -> None:
+def _check_engine(directory: Path, config: dict, rollout: RolloutConfig) -> None:
+    """The SGLang servers the run launches can serve the family (on CPU, miles_core/rollout/engines/sglang_families.py)
+    and split its attention heads over their tensor-parallel GPUs. Servers the run attaches to (`urls`) are the user's."""
+    sglang = rollout.sglang
+    if rollout.engine != "sglang" or sglang.urls:
+        return
+    kind = config.get("model_type")
+    if sglang.device == "cpu" and kind in CPU_REFUSALS:
+        raise CheckpointError(
+            f"{directory / 'config.json'}: key model_type: {kind!r}: SGLang does not serve it on CPU (rollout.sglang.device: cpu): "
+            f"{CPU_REFUSALS[kind][1]}. Roll out with rollout.engine: torch, or on GPUs"
+        )
+    heads = _text_part(config).get("num_attention_heads")
+    if isinstance(heads, int) and heads % sglang.tensor_parallel:
+        raise ConfigError(
+            f"rollout.sglang.tensor_parallel: must divide {directory / 'config.json'}: num_attention_heads ({heads}): "
+            f"each SGLang server splits the attention heads over its {sglang.tensor_parallel} GPUs"
+        )
+
+
+def admit(model_dir: str | Path, train: TrainConfig, rollout: RolloutConfig) -> None:
     """Raise CheckpointError (or ConfigError for parallel sizes) unless the run can train and serve this checkpoint."""
     directory = Path(model_dir)
     check_hf_dir(directory, tokenizer=True)
     config = json_object(directory / "config.json", "the model's config")
     _check_vocab(directory, config)
     _check_backend(directory, config, train.backend)
+    _check_engine(directory, config, rollout)
     check_parallel_fit(train, model_shape(config), where=f"{directory / 'config.json'}: ")

@@ -56,6 +56,19 @@ def test_make_run_refuses_a_bad_recipe(tmp_path):
     assert "Running Execution" not in out.stdout  # pyflyte never started
 
 
+def test_pyflyte_refuses_a_misspelt_key_in_the_json_config_before_anything_runs(tmp_path):
+    """`--cfg` JSON is read by flytekit's command line through RunConfig.from_json: checked like a recipe, by key path."""
+    command = workflow_command("recipes/smoke.yaml", tmp_path / "runs")
+    values = json.loads(command[-1])
+    values["rollout"]["sglang"]["tensor_paralel"] = 2
+    out = subprocess.run(
+        [*command[:-1], json.dumps(values)], cwd=REPO, env=workflow_env(tmp_path / "home"), capture_output=True, text=True, timeout=600, check=False
+    )
+    assert out.returncode != 0
+    assert "rollout.sglang.tensor_paralel: unknown key (known: " in " ".join((out.stdout + out.stderr).split())
+    assert "Running Execution" not in out.stdout and not (tmp_path / "runs").exists()  # no task started
+
+
 def test_a_batch_outside_the_models_vocabulary_or_in_split_groups_fails_the_score_task(tmp_path, monkeypatch):
     """The score task reads its batch against the model's vocabulary (its config's vocab_size, not
     len(tokenizer)) and rollout.n_samples: a token the model cannot emit, or a group cut in two, fails

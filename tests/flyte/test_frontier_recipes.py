@@ -24,7 +24,7 @@ from tasks.common import BatchResult, Checkpoint, Dataset, Policy
 from tests.conftest import REPO
 from tests.flyte.published_configs import PUBLISHED
 from tests.flyte.test_compile import SETTINGS
-from workflows.rl import evaluated, rolled_out, trained_on
+from workflows.nodes import evaluated, rolled_out, trained_on
 
 pytestmark = pytest.mark.flyte
 

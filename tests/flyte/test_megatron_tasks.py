@@ -13,7 +13,7 @@ from tasks.common import BatchResult, Checkpoint, Policy
 from tasks.elastic import elastic_resolver
 from tests.conftest import REPO, extends
 from tests.flyte.test_compile import SETTINGS, compile_entity
-from workflows.rl import trained_on
+from workflows.nodes import trained_on
 
 pytestmark = pytest.mark.flyte
 
@@ -38,9 +38,12 @@ def test_a_pod_builds_the_train_task_again_with_the_recipe_processes():
     """The task's pod loads it through its resolver from the arguments written at serialization: same name, same sizes."""
     sized = rl_tasks.train_task(TrainConfig(nnodes=4, nproc_per_node=8))
     args = elastic_resolver.loader_args(SETTINGS, sized)
-    assert args == ["task-module", "tasks.rl", "task-name", "train", "nnodes", "4", "nproc-per-node", "8"]
+    assert args == ["task-module", "tasks.rl", "task-name", "train", "nnodes", "4", "nproc-per-node", "8"] + [
+        *("max-restarts", "0", "rdzv-timeout", "900", "rdzv-join-timeout", "900")  # the cluster section's defaults
+    ]
     loaded = elastic_resolver.load_task(args)
     assert loaded.name == rl_tasks.train.name and (loaded.task_config.nnodes, loaded.task_config.nproc_per_node) == (4, 8)
+    assert loaded is sized  # the same variant, restarts and rendezvous included
     assert loaded.metadata.cache_version == rl_tasks.train.metadata.cache_version  # the same cache entries as the task defined in tasks/rl.py
 
 

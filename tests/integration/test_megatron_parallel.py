@@ -1,9 +1,12 @@
 """The megatron backend on gloo with real megatron-core: TP/PP/EP parity, resharding, MoE, router replay,
-and the CPU compatibility layer (every redirection it installs fires on these paths, none is missing).
+one RL step on each MLA / DeepSeek-style MoE family (DeepSeek-V3 at EP=2 and PP=2, Kimi-K2.5, GLM-4.5,
+GLM-4.7-Flash, DeepSeek-V2), and the CPU compatibility layer (every redirection it installs fires on these
+paths, none is missing).
 
 One module-scoped set of runs from converted tiny checkpoints; each test reads its part.
 """
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -22,8 +25,11 @@ def runs():
         yield parallel_runs(Path(tmp))
 
 
+FAMILIES = {"deepseek_v3": 2, "kimi_k25": 1, "glm4_moe": 1, "glm4_moe_lite": 1, "deepseek_v2": 1}  # family -> expert parallel size of its step
+
+
 def parallel_runs(root: Path) -> dict:
-    run_worker("convert", root, "qwen2", "llama", "qwen3_moe")
+    run_worker("convert", root, "qwen2", "llama", "qwen3_moe", *FAMILIES)
     out = {
         "tp1": run_worker("step", root, root / "qwen2/mg", 1, 1, root / "tp1"),
         "tp2": run_worker("step", root, root / "qwen2/mg", 2, 1, root / "tp2", nproc=2),
@@ -33,7 +39,11 @@ def parallel_runs(root: Path) -> dict:
         "replay": run_worker("replay", root, root / "qwen3_moe/mg"),
         "uncompat": run_worker("uncompat", root, root / "qwen2/mg"),
     }
+    for arch, ep in FAMILIES.items():
+        out[arch] = run_worker("step", root, root / arch / "mg", 1, ep, root / f"{arch}-step", nproc=2 if ep > 1 else 0)
+    out["deepseek_v3_pp2"] = run_worker("step", root, root / "deepseek_v3/mg", 1, 1, root / "deepseek_v3-pp2", 2, nproc=2)
     out["reloaded"] = run_worker("loss", root, root / "tp2", root / "pp2", root / "ep2")["losses"]
+    out["families_reloaded"] = run_worker("loss", root, *(root / f"{arch}-step" for arch in FAMILIES))["losses"]
     return out
 
 
@@ -65,6 +75,24 @@ def test_moe_trains_with_expert_parallel_2(runs):
     assert any("token_dispatcher" in hit for hit in ep2["hits"])  # the alltoall dispatcher really ran
 
 
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_each_mla_and_deepseek_moe_family_takes_an_rl_step(runs, arch):
+    """One GRPO step from the converted checkpoint: finite loss and gradient, the weights move, and the saved
+    checkpoint (EP=2 for DeepSeek-V3) reloads at EP=1 with the loss the trainer had after the step."""
+    step = runs[arch]
+    assert math.isfinite(step["train_loss"]) and 0 < step["grad_norm"] < math.inf
+    assert abs(step["loss_after"] - step["loss_before"]) > 1e-3
+    assert runs["families_reloaded"][list(FAMILIES).index(arch)] == pytest.approx(step["loss_after"], abs=SAME)
+
+
+def test_deepseek_v3_trains_the_same_split_by_experts_or_by_pipeline_stages(runs):
+    """EP=2 against PP=2 (the dense first layer on one stage, the MoE layer with its shared expert on the other)."""
+    ep2, pp2 = runs["deepseek_v3"], runs["deepseek_v3_pp2"]
+    for key in ("loss_before", "train_loss", "loss_after"):
+        assert pp2[key] == pytest.approx(ep2[key], abs=SAME), key
+    assert pp2["grad_norm"] == pytest.approx(ep2["grad_norm"], abs=1e-4)
+
+
 def test_router_replay_reproduces_the_loss(runs):
     replay = runs["replay"]
     assert replay["layers"] == 2 and replay["shape"][1] == 2  # [tokens, top_k] per MoE layer
@@ -76,7 +104,7 @@ def test_router_replay_reproduces_the_loss(runs):
 def test_every_cpu_redirection_is_needed_and_none_is_missing(runs):
     """Fails when megatron-core stops needing a redirection (it never fires) and when a new CUDA call
     appears on these paths (the runs above fail with "not compiled with CUDA")."""
-    hits = set().union(*(runs[k]["hits"] for k in ("tp1", "tp2", "pp2", "ep2")))
+    hits = set().union(*(runs[k]["hits"] for k in ("tp1", "tp2", "pp2", "ep2", *FAMILIES)))
     expected = [f"{m}:" for m in cpu_compat.TORCH_VIEW_MODULES] + [f"{f}: Tensor.type" for f in cpu_compat.TYPE_NAME_FUNCTIONS]
     expected += [f"{path.split(':')[0]}: {path.split(':')[1]}" for path in cpu_compat.REPLACED_FUNCTIONS]
     unused = [e for e in expected if not any(h.startswith(e) for h in hits)]

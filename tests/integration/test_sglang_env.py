@@ -48,6 +48,9 @@ except NotImplementedError:
 else:
     raise AssertionError("speculative stand-ins must refuse to run")
 torch.get_device_module().synchronize()
+# torch.compile's tracer looks up torch.get_device_module.__wrapped__ (SGLang compiles e.g. its MoE top-k)
+compiled = torch.compile(lambda x: torch.sigmoid(x) + 1, dynamic=True, backend="eager")
+assert compiled(torch.zeros(2)).tolist() == [1.5, 1.5]
 print("ok")
 """
 

@@ -4,7 +4,6 @@ import pytest
 
 from miles_core.algos.filters import oldest_first
 from miles_core.async_buffer import SampleBuffer, draw_of
-from miles_core.async_loop import phase_plan
 from miles_core.config import AsyncConfig, ConfigError, RunConfig
 from miles_core.data.source import DataState, Prompt, PromptSource
 from miles_core.samples import Sample
@@ -78,14 +77,6 @@ def test_closing_stops_new_draws_but_finishes_what_was_drawn():
     assert b.settled()
     drained = b.drain()
     assert [draw_of(g) for g in drained["groups"]] == [-1, 0] and drained["state"] == DataState(0, 1)
-
-
-def test_phase_plan_covers_every_iteration_and_evaluates_on_the_interval():
-    assert phase_plan(3, AsyncConfig(), 2) == [(0, 0, False), (1, 0, True), (2, 0, True)]
-    assert phase_plan(7, AsyncConfig(schedule="async", steps_per_phase=3), 5) == [(0, 3, False), (3, 3, True), (6, 1, True)]
-    mixed = AsyncConfig(schedule="mixed", sync_iterations=2, steps_per_phase=2)
-    assert phase_plan(5, mixed, 1) == [(0, 0, True), (1, 0, True), (2, 2, True), (4, 1, True)]
-    assert phase_plan(5, mixed, 10) == [(0, 0, False), (1, 0, False), (2, 2, False), (4, 1, True)]
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,36 @@
-"""HF <-> megatron-core conversion for each supported architecture, with the real megatron-core (CPU, gloo).
+"""HF <-> megatron-core conversion for each supported architecture, with the real megatron-core (CPU, gloo),
+and the reason given for each family megatron does not train.
 
-Each architecture: build the tiny HF model, convert HF -> torch_dist -> HF, compare the weights
-bitwise, and compare megatron's logits with HF's on the same input in fp32.
+Each architecture: build the tiny HF model (sigmoid routers' correction biases set to values that change
+the routing), convert HF -> torch_dist -> HF, compare the weights bitwise, compare megatron's logits with
+HF's on the same input in fp32, and load the exported HF model (a multimodal checkpoint's text model).
 """
 
 import tempfile
 
 import pytest
 
+from miles_core.weights.check import CheckpointError
 from tests.megatron_runs import run_worker
 
 LOGIT_TOLERANCE = 1e-5  # fp32, same weights: only the summation order of the two implementations differs
-ARCHS = ["qwen2", "qwen3", "llama", "qwen3_moe"]
+ARCHS = ["qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k25", "glm4_moe", "glm4_moe_lite"]
+BUILT_BY_THE_WORKER = {"deepseek_v2", "glm4_moe_lite"}  # no tiny family of the project: tests/megatron_worker.py builds it
+FAMILY_ARCHS = [arch for arch in ARCHS if arch not in BUILT_BY_THE_WORKER]
+# every other family of the project, and the words of its reason that name what megatron-core 0.16.1 lacks for it
+REFUSED = {
+    "deepseek_v32": "lightning indexer",
+    "glm_moe_dsa": "lightning indexer",
+    "deepseek_v4": "compressed sparse attention, hyper-connections and hash-routed first MoE layer",
+    "glm5_next": "KDA linear-attention layers",
+    "qwen3_next": "Gated DeltaNet",
+    "qwen3_5": "Gated DeltaNet",
+    "qwen3_5_moe": "Gated DeltaNet",
+    "nemotron_h": "Mamba-2 layers",
+    "minimax_m2": "q/k RMSNorm normalises all heads of a projection together",
+    "llama4": "chunked local attention",
+    "gpt_oss": "sinks",
+}
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +44,7 @@ def test_conversion_round_trip_and_logits(arch, converted):
     result = converted[arch]
     assert result["same_names"] and result["bitwise"], result
     assert result["max_logit_diff"] < LOGIT_TOLERANCE, result
+    assert result["exported_logits_equal"], result  # the exported directory is the same model to transformers
     assert result["logit_scale"] > 0.1  # the logits compared are not all ~0
 
 
@@ -61,5 +81,192 @@ def test_unsupported_model_type_names_the_file(tmp_path):
     from miles_core.checkpoint.hf_megatron import read_arch
 
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    with pytest.raises(ValueError, match=r"config.json: model_type 'gpt2' is not supported"):
+    with pytest.raises(CheckpointError, match=r"config.json: model_type 'gpt2' cannot train on the megatron backend: not a family the megatron"):
         read_arch(tmp_path)
+
+
+def _family_config(arch: str) -> dict:
+    """The config.json of the family's tiny checkpoint (no weights built)."""
+    from miles_core.config import ModelConfig
+    from miles_core.config.model import MIN_LAYERS
+    from miles_core.models.families import FAMILIES, hf_config
+    from miles_core.models.tiny import build_tokenizer, token_ids
+
+    chat = FAMILIES[arch].chat
+    cfg = ModelConfig(arch=arch, hidden_size=64, num_layers=MIN_LAYERS.get(arch, 2), num_experts=4, moe_intermediate_size=32)
+    return hf_config(cfg, token_ids(chat, build_tokenizer(chat))).to_dict()
+
+
+def test_every_family_is_converted_or_refused_by_name():
+    from miles_core.config.model import MODEL_ARCHS
+
+    assert set(MODEL_ARCHS) == set(FAMILY_ARCHS) | set(REFUSED)
+
+
+@pytest.mark.parametrize("arch", sorted(REFUSED))
+def test_a_family_megatron_cannot_train_is_refused_with_its_reason(arch):
+    from miles_core.checkpoint.arch import REFUSALS, arch_spec, megatron_refusal
+
+    config = _family_config(arch)
+    reason = megatron_refusal(config)
+    assert REFUSED[arch] in reason and reason == REFUSALS[arch]
+    with pytest.raises(CheckpointError) as err:
+        arch_spec(config, source="ckpt/config.json")
+    assert str(err.value) == f"ckpt/config.json: model_type {config['model_type']!r} cannot train on the megatron backend: {reason}"
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_a_family_megatron_trains_has_no_refusal(arch):
+    from miles_core.checkpoint.arch import megatron_refusal
+
+    assert megatron_refusal(_family_config(arch)) is None
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"norm_topk_prob": False}, "always renormalises a sigmoid router's top-k weights"),
+        ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 8, "n_routed_experts": 16}, "by its top num_experts_per_tok // topk_group (4)"),
+        ({"attention_bias": True}, "builds multi-latent attention's down and output projections without biases"),
+        ({"rope_interleave": False}, "always de-interleaves the RoPE part of each head"),
+    ],
+)
+def test_a_deepseek_v3_setting_megatron_computes_differently_is_refused(change, words):
+    from miles_core.checkpoint.arch import megatron_refusal
+
+    assert words in megatron_refusal({**_family_config("deepseek_v3"), **change})
+
+
+# as published on the model cards (deepseek-ai/DeepSeek-V3, zai-org/GLM-4.5): RoPE in the `rope_scaling` form of
+# their config.json, settings the spec reads and the sizes it keeps
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "tie_word_embeddings": False,
+}
+GLM4_5 = {
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "head_dim": 128,
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1536,
+    "n_group": 1,
+    "n_routed_experts": 160,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 92,
+    "num_key_value_heads": 8,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "use_qk_norm": True,
+    "vocab_size": 151552,
+    "first_k_dense_replace": 3,
+}
+
+
+def test_the_published_deepseek_v3_config_reads_as_mla_with_grouped_sigmoid_routing_and_yarn():
+    from miles_core.checkpoint.arch import MLA, Yarn, arch_spec
+
+    spec = arch_spec(DEEPSEEK_V3)
+    assert spec.mla == MLA(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    assert spec.yarn == Yarn(factor=40, original_max_positions=4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+    assert (spec.num_experts, spec.moe_top_k, spec.moe_groups, spec.moe_group_top_k) == (256, 8, 8, 4)
+    assert (spec.moe_sigmoid, spec.moe_renormalize, spec.moe_scaling, spec.moe_shared_ffn_hidden_size, spec.dense_layers) == (True, True, 2.5, 2048, (0, 1, 2))
+    assert [spec.is_moe_layer(i) for i in (0, 2, 3, 60)] == [False, False, True, True]
+
+
+def test_the_published_glm4_5_config_reads_as_half_rotary_gqa_with_qk_norms_and_shared_experts():
+    from miles_core.checkpoint.arch import arch_spec
+
+    spec = arch_spec(GLM4_5)
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rotary_fraction, spec.rope_theta) == (96, 8, 128, 0.5, 1e6)
+    assert spec.qkv_bias and spec.qk_norm and spec.mla is None and spec.yarn is None
+    assert (spec.num_experts, spec.moe_groups, spec.moe_shared_ffn_hidden_size, spec.dense_layers) == (160, 0, 1536, (0, 1, 2))
+
+
+def test_a_rotary_scaling_the_conversion_does_not_map_is_refused():
+    from miles_core.checkpoint.arch import megatron_refusal
+
+    llama3 = {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    assert megatron_refusal(llama3) == "rope_type 'llama3': the conversion maps default RoPE for llama"
+    assert "always rounds the correction range" in megatron_refusal({**DEEPSEEK_V3, "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "truncate": False}})
+
+
+def test_a_bf16_export_keeps_the_sigmoid_routers_in_fp32(tmp_path):
+    """The correction bias decides which experts win: published in bf16 it would route differently from the trainer."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from miles_core.checkpoint.hf_megatron import hf_to_megatron, read_arch
+    from miles_core.checkpoint.torch_dist import read_hf_state, write_hf
+    from miles_core.config import ModelConfig
+    from miles_core.models.tiny import build_tiny_model
+
+    build_tiny_model(ModelConfig(arch="deepseek_v3", hidden_size=64, num_layers=2, num_experts=4, moe_intermediate_size=32), tmp_path / "hf")
+    spec, hf = read_arch(tmp_path / "hf"), read_hf_state(tmp_path / "hf")
+    write_hf(spec, hf_to_megatron(spec, hf), json.loads((tmp_path / "hf/config.json").read_text()), tmp_path / "out", "bfloat16")
+    out = load_file(str(tmp_path / "out/model.safetensors"))
+    fp32 = {name for name, t in out.items() if t.dtype == torch.float32}
+    assert fp32 == {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    assert all(t.dtype == torch.bfloat16 for name, t in out.items() if name not in fp32)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({}, None),
+        ({"topk_method": "greedy", "n_group": 8, "topk_group": 3}, None),
+        ({"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}, "by its top num_experts_per_tok // topk_group (2)"),
+        ({"mlp_bias": True}, "the conversion maps MLPs without biases"),
+        ({"topk_method": "noaux_tc"}, "routes greedy or group_limited_greedy only"),
+    ],
+)
+def test_deepseek_v2_routing_is_mapped_as_transformers_runs_it_or_refused(change, words):
+    """DeepSeek-V2 as published (V2: group-limited greedy top-6 of 3 groups; V2-Lite: greedy, no low-rank queries)."""
+    from miles_core.checkpoint.arch import megatron_refusal
+
+    v2 = {"model_type": "deepseek_v2", "num_experts_per_tok": 6, "q_lora_rank": None, "n_routed_experts": 64, "topk_method": "greedy", **change}
+    reason = megatron_refusal(v2)
+    assert reason is None if words is None else words in reason

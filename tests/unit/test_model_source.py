@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from flytekit.core.data_persistence import FileAccessProvider
 
-from miles_core.config import ConfigError, ModelConfig, TrainConfig
+from miles_core.config import ConfigError, ModelConfig, RolloutConfig, SGLangConfig, TrainConfig
 from miles_core.models.source import admit, checkpoint_digest, fetch_base, read_source
 from miles_core.models.tiny import build_tiny_model
 from miles_core.weights.check import CheckpointError
@@ -33,7 +33,7 @@ def test_without_a_path_the_tiny_model_is_built_and_recorded(tmp_path):
     record = fetch_base(ModelConfig(), tmp_path / "base", no_download)
     assert record == {"path": "tiny:qwen2:seed=0", "sha256": checkpoint_digest(tmp_path / "base")}
     assert read_source(tmp_path / "base") == record
-    admit(tmp_path / "base", TrainConfig())
+    admit(tmp_path / "base", TrainConfig(), RolloutConfig())
 
 
 def test_a_local_directory_is_copied_with_its_digest(checkpoint, tmp_path):
@@ -41,7 +41,7 @@ def test_a_local_directory_is_copied_with_its_digest(checkpoint, tmp_path):
     assert record == {"path": str(checkpoint), "sha256": checkpoint_digest(checkpoint)}
     assert sorted(p.name for p in (tmp_path / "base").iterdir()) == sorted([*(p.name for p in checkpoint.iterdir()), "source.json"])
     assert not (tmp_path / "base" / "model.safetensors").samefile(checkpoint / "model.safetensors")  # the user's files stay theirs
-    admit(tmp_path / "base", MEGATRON_TP2)
+    admit(tmp_path / "base", MEGATRON_TP2, RolloutConfig())
 
 
 def test_an_object_store_uri_is_downloaded_through_the_file_access(checkpoint, tmp_path):
@@ -77,7 +77,7 @@ def test_a_broken_checkpoint_is_refused_naming_the_file(checkpoint, tmp_path, da
     user = user_copy(checkpoint, tmp_path)
     damage(user)
     with pytest.raises(CheckpointError, match=message):
-        admit(user, TrainConfig())
+        admit(user, TrainConfig(), RolloutConfig())
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(checkpoint, tmp_path):
@@ -90,7 +90,7 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(checkpoint, tmp_path):
     tokenizer.add_tokens([f"<extra_{i}>" for i in range(rows + 1 - len(tokenizer))])
     tokenizer.save_pretrained(user)
     with pytest.raises(CheckpointError, match=rf"config.json: key vocab_size: {rows} embedding rows, but the tokenizer has {rows + 1} tokens"):
-        admit(user, TrainConfig())
+        admit(user, TrainConfig(), RolloutConfig())
 
 
 def test_an_architecture_megatron_cannot_train_is_refused_for_megatron_only(tmp_path):
@@ -101,15 +101,34 @@ def test_an_architecture_megatron_cannot_train_is_refused_for_megatron_only(tmp_
     tokenizer = build_tokenizer()
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    admit(tmp_path, TrainConfig())  # the torch backend trains what transformers builds
-    with pytest.raises(CheckpointError, match=r"config.json: model_type 'gpt2' is not supported by the megatron conversion .*train.backend: megatron"):
-        admit(tmp_path, MEGATRON_TP2)
+    admit(tmp_path, TrainConfig(), RolloutConfig())  # the torch backend trains what transformers builds
+    with pytest.raises(CheckpointError, match=r"config.json: model_type 'gpt2' cannot train on the megatron backend: not a family .*train.backend: megatron"):
+        admit(tmp_path, MEGATRON_TP2, RolloutConfig())
 
 
 def test_parallel_sizes_are_checked_against_the_checkpoints_shape(checkpoint):
     three = TrainConfig(backend="megatron", tensor_parallel=3, nproc_per_node=3)
     with pytest.raises(ConfigError, match=r"train.tensor_parallel: must divide .*config.json: num_heads \(4\): megatron splits it over 3 ranks"):
-        admit(checkpoint, three)
+        admit(checkpoint, three, RolloutConfig())
+
+
+def test_a_family_the_cpu_sglang_server_cannot_serve_is_refused_where_it_would_launch_one(tmp_path):
+    """The tiny Llama 4 (SGLang 0.5.23's Llama 4 casts q and k to bf16 in its QK norm: an fp32 CPU server fails)."""
+    llama4 = build_tiny_model(
+        ModelConfig(arch="llama4", hidden_size=64, num_heads=4, intermediate_size=128, num_experts=4, moe_intermediate_size=32), str(tmp_path)
+    )
+    cpu_sglang = RolloutConfig(engine="sglang")
+    with pytest.raises(CheckpointError, match=r"config.json: key model_type: 'llama4': SGLang does not serve it on CPU .*QK norm casts q and k"):
+        admit(llama4, TrainConfig(), cpu_sglang)
+    admit(llama4, TrainConfig(), RolloutConfig())  # the embedded engine rolls it out
+    admit(llama4, TrainConfig(), RolloutConfig(engine="sglang", sglang=SGLangConfig(device="cuda", tensor_parallel=4)))  # on GPUs
+    admit(llama4, TrainConfig(), RolloutConfig(engine="sglang", sglang=SGLangConfig(urls="http://10.0.0.7:30000")))  # the user's server
+
+
+def test_sglang_tensor_parallel_must_divide_the_attention_heads(checkpoint):
+    three = RolloutConfig(engine="sglang", sglang=SGLangConfig(device="cuda", tensor_parallel=3))
+    with pytest.raises(ConfigError, match=r"rollout.sglang.tensor_parallel: must divide .*config.json: num_attention_heads \(4\)"):
+        admit(checkpoint, TrainConfig(), three)
 
 
 def test_published_versions_keep_every_tokenizer_file_and_digest_sharded_weights(checkpoint, tmp_path):

@@ -57,6 +57,12 @@ CASES = [
         {"train.tensor_parallel": 1},
     ),
     (
+        "megatron_arch",
+        {**MEGATRON, "model.arch": "qwen3_next"},
+        "model.arch: 'qwen3_next' cannot train on the megatron backend: megatron-core 0.16.1 has Gated DeltaNet linear attention only as",
+        {"model.arch": "glm4_moe"},
+    ),
+    (
         "ep_dense",
         {**MEGATRON, "train.expert_parallel": 2},
         "train.expert_parallel: expert parallelism splits MoE experts, and model.arch 'qwen2' has none",
@@ -93,6 +99,18 @@ CASES = [
         "async_phase.sync_iterations: must be < iterations (3)",
         {"iterations": 4},
     ),
+    (
+        "accelerator_cpu",
+        {"cluster.accelerator": "nvidia-h100"},
+        "cluster.accelerator: 'nvidia-h100' is the type of the GPUs a pod asks for, and this recipe asks for none",
+        {"train.gpus_per_node": 2},
+    ),
+    (
+        "async_take_timeout",
+        {**ASYNC, "cluster.async_timeout_min": 10},
+        "async_phase.take_timeout_s: must be below cluster.async_timeout_min (10 min)",
+        {"async_phase.take_timeout_s": 300.0},
+    ),
 ]
 
 
@@ -116,6 +134,13 @@ def test_every_rule_of_the_table_has_a_case():
     assert len(CASES) == len(RULES) + len(PARALLEL_SPLITS)
     assert len({message for _, _, message, _ in CASES}) == len(CASES)
     assert {c[2].split(":")[0] for c in CASES} == {rule.key for rule in RULES} | {f"train.{size}" for size, _ in PARALLEL_SPLITS}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe"])
+def test_every_moe_family_megatron_trains_is_refused_at_tensor_parallel_2(tmp_path, arch):
+    with pytest.raises(ConfigError, match="train.tensor_parallel: megatron-core 0.16.1 trains MoE layers at tensor parallel > 1"):
+        load_recipe(recipe(tmp_path), {**MEGATRON, "train.tensor_parallel": 2, "model.arch": arch})
+    assert load_recipe(recipe(tmp_path), {**MEGATRON, "train.tensor_parallel": 1, "model.arch": arch}).model.arch == arch
 
 
 def test_a_checkpoint_path_defers_the_shape_rules_to_its_admission(tmp_path):

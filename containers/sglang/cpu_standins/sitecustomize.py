@@ -6,10 +6,13 @@ tests use to show the stand-ins are still needed) it
 * puts the pure-torch `sgl_kernel` stand-in ahead of the CUDA-only wheel on sys.path, and
 * makes `torch.get_device_module()` (no argument) answer `torch.cpu` when no GPU is usable:
   the CUDA build of torch otherwise returns `torch.cuda`, and SGLang's weight updater calls
-  `.synchronize()` on it, which fails without a driver.
+  `.synchronize()` on it, which fails without a driver. The replacement is cached like the
+  original (`functools.cache`), so it keeps the `__wrapped__` that torch.compile's tracer looks
+  up (without it every `torch.compile`d SGLang function fails, e.g. the MoE biased grouped top-k).
 Pinned to one SGLang version: another version stops with a message instead of half-working.
 """
 
+import functools
 import os
 import sys
 
@@ -32,6 +35,7 @@ def _activate() -> None:
         return
     by_device = torch.get_device_module
 
+    @functools.cache
     def get_device_module(device=None):
         return torch.cpu if device is None else by_device(device)
 

@@ -106,6 +106,8 @@ class SGLangServer:
         log_file = Path(tempfile.mkdtemp(prefix="sglang-")) / f"server-{port}.log"
         command = [sglang_python(cfg), *launch_args(cfg, model_path, port, weight_version, slot)]
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1" if cfg.device == "cpu" else "0"}
+        if cfg.device == "cpu":  # no GPU to diagnose: a failed start exits at once instead of after ~65 s of py-spy / CUDA coredump waits
+            env = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"} | env
         log.info("starting SGLang server on port %d (log %s)", port, log_file)
         with open(log_file, "wb") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

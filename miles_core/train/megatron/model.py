@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from miles_core.checkpoint.hf_megatron import ArchSpec
-from miles_core.train.megatron import cpu_compat
+from miles_core.checkpoint.arch import ArchSpec
+from miles_core.train.megatron import arch_config, cpu_compat
 
 
 @dataclass(frozen=True)
@@ -66,78 +65,25 @@ def init_parallel(parallel: Parallel, seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype, routing_replay: bool = False):
-    from megatron.core.transformer import TransformerConfig
-
-    moe = (
-        dict(
-            num_moe_experts=spec.num_experts,
-            moe_router_topk=spec.moe_top_k,
-            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-            moe_router_pre_softmax=not spec.moe_renormalize,  # softmax over all experts, then top-k, unless renormalised
-            moe_token_dispatcher_type="alltoall",
-            moe_router_load_balancing_type="none",
-            moe_enable_routing_replay=routing_replay,
-        )
-        if spec.num_experts
-        else {}
-    )
-    return TransformerConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
-        qk_layernorm=spec.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=parallel.tensor,
-        pipeline_model_parallel_size=parallel.pipeline,
-        expert_model_parallel_size=parallel.expert,
-        expert_tensor_parallel_size=1,
-        sequence_parallel=False,
-        **moe,
-    )
-
-
 def build_model(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype = torch.float32, routing_replay: bool = False):
     """This rank's GPTModel stage (local layer spec, rotary positions, vocabulary padded for TP)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(spec, parallel, dtype, routing_replay)
+    config = arch_config.transformer_config(spec, parallel, dtype, routing_replay)
     if routing_replay:  # router replay instances live in a class-level list: start it afresh per model
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         RouterReplay.clear_global_router_replay_instances()
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     return GPTModel(
         config,
-        layer_spec,
+        arch_config.layer_spec(spec, config),
         vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_positions,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(spec.rope_theta),
+        **arch_config.rotary_options(spec),
     )
 
 

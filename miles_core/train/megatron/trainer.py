@@ -133,7 +133,7 @@ class MegatronTrainer(TrainerBase):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (gathered) weights under HF names; a tied output layer appears under both of its HF names."""
         hf = megatron_to_hf(self.spec, torch_dist.gather_full_state(self.ddp.module, self.spec))
-        if self.hf_config.get("tie_word_embeddings") and "lm_head.weight" not in hf:
+        if self.spec.tied_embeddings and "lm_head.weight" not in hf:
             hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
         return hf
 

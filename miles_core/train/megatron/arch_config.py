@@ -1,0 +1,137 @@
+"""megatron-core's TransformerConfig, layer specs and rotary options for an ArchSpec (one place per family feature).
+
+* Dense GQA families: TransformerConfig with the fused q/k/v of the local layer spec.
+* Multi-latent attention (DeepSeek-V2/V3, Kimi-K2.5, GLM-4.7-Flash): MLATransformerConfig and the local spec's
+  MLASelfAttention; RoPE or YaRN inside the attention, as megatron-core computes MLA's RoPE itself.
+* Partial rotary heads (GLM-4.5): the GPTModel's rotary_percent.
+* MoE: softmax top-k (Qwen3-MoE, DeepSeek-V2) or sigmoid scores with the correction bias as `expert_bias`
+  (DeepSeek, GLM), group-limited top-k, routed_scaling_factor, shared experts, and dense first
+  layers through `moe_layer_freq`.  The router runs in fp32 as HF's does.  The expert bias is kept
+  as the checkpoint has it (update rate 0): the torch backend does not move it either, and an RL
+  step should not shift routing on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from miles_core.checkpoint.arch import ArchSpec
+
+_CPU_SAFE = dict(
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    masked_softmax_fusion=False,
+    gradient_accumulation_fusion=False,
+)
+
+
+def _moe(spec: ArchSpec, routing_replay: bool) -> dict:
+    if not spec.num_experts:
+        return {}
+    moe = dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_top_k,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_enable_routing_replay=routing_replay,
+        moe_router_dtype="fp32",
+        moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
+        moe_router_topk_scaling_factor=spec.moe_scaling if spec.moe_scaling != 1.0 else None,
+    )
+    if spec.moe_groups:
+        moe |= dict(moe_router_num_groups=spec.moe_groups, moe_router_group_topk=spec.moe_group_top_k)
+    if spec.moe_shared_ffn_hidden_size:
+        moe |= dict(moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size)
+    if not spec.moe_sigmoid:  # Qwen3-MoE, DeepSeek-V2: softmax over all experts, then top-k, unless renormalised
+        return moe | dict(moe_router_pre_softmax=not spec.moe_renormalize)
+    return moe | dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+
+
+def _mla(spec: ArchSpec) -> dict:
+    mla = spec.mla
+    fields = dict(
+        q_lora_rank=mla.q_lora_rank or None,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rotary_base=spec.rope_theta,
+        rope_type="yarn" if spec.yarn else "rope",
+    )
+    if spec.yarn:
+        y = spec.yarn
+        fields |= dict(
+            rotary_scaling_factor=y.factor,
+            original_max_position_embeddings=y.original_max_positions,
+            beta_fast=y.beta_fast,
+            beta_slow=y.beta_slow,
+            mscale=y.mscale,
+            mscale_all_dim=y.mscale_all_dim,
+        )
+    return fields
+
+
+def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype, routing_replay: bool = False):
+    """The (MLA)TransformerConfig of the model at these parallel sizes."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig  # optional backend: imported where used
+
+    config_class = MLATransformerConfig if spec.mla else TransformerConfig
+    return config_class(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm or spec.mla is not None,  # MLA: the norms of the q and kv latents
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=False,
+        **_CPU_SAFE,
+        **(_mla(spec) if spec.mla else {}),
+        **_moe(spec, routing_replay),
+    )
+
+
+def _latent_core_attention(layer):
+    """An MLA layer spec with the core attention that takes MLA's head sizes and HF's latent norms (mla_attention.py)."""
+    from miles_core.train.megatron.mla_attention import LatentDotProductAttention, LatentRMSNorm
+
+    attention = layer.submodules.self_attention
+    parts = replace(attention.submodules, core_attention=LatentDotProductAttention, q_layernorm=LatentRMSNorm, kv_layernorm=LatentRMSNorm)
+    return replace(layer, submodules=replace(layer.submodules, self_attention=replace(attention, submodules=parts)))
+
+
+def layer_spec(spec: ArchSpec, config):
+    """Local (no TransformerEngine) layer specs: one for every layer, or per layer where dense layers precede MoE ones."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if not spec.num_experts:
+        layer = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=spec.mla is not None, normalization="RMSNorm")
+        return _latent_core_attention(layer) if spec.mla else layer
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return replace(block, layer_specs=[_latent_core_attention(layer) for layer in block.layer_specs]) if spec.mla else block
+
+
+def rotary_options(spec: ArchSpec) -> dict:
+    """GPTModel's position-embedding arguments (MLA applies its RoPE inside the attention, from the config)."""
+    return dict(position_embedding_type="rope", rotary_base=int(spec.rope_theta), rotary_percent=spec.rotary_fraction)

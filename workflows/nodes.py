@@ -1,0 +1,97 @@
+"""The loop's nodes, each as the recipe sizes and bounds it: processes, GPUs and their type, memory, retries,
+timeout, interruptible (tasks/metadata.py `stage_overrides`). Written once for the loop and for the tests that
+compile what it builds. Composition only."""
+
+from __future__ import annotations
+
+from miles_core.config import RunConfig
+from miles_core.data.source import DataState
+from tasks.async_phase import async_phase
+from tasks.common import Dataset, Policy
+from tasks.elastic import elastic
+from tasks.metadata import stage_overrides
+from tasks.rl import convert, evaluate, publish, rollout, score, train_task
+
+
+def converted(cfg: RunConfig, start: Policy):
+    """The base policy in the trainer backend's format, once before the first iteration."""
+    node = elastic(convert, cfg.cluster)(cfg=cfg.train, algo=cfg.algo, policy=start, root=cfg.run_root)
+    return node.with_overrides(**stage_overrides(cfg.cluster, "convert"))
+
+
+def rolled_out(cfg: RunConfig, policy: Policy, dataset: Dataset, state: DataState, buffer, iteration: int, code: str):
+    """The rollout task of one iteration, its pod sized by the recipe (the GPUs of the SGLang servers it launches)."""
+    node = rollout(
+        cfg=cfg.rollout,
+        data=cfg.data,
+        reward=cfg.reward,
+        policy=policy,
+        dataset=dataset,
+        state=state,
+        buffer=buffer,
+        iteration=iteration,
+        root=cfg.run_root,
+        code=code,
+    )
+    return node.with_overrides(**stage_overrides(cfg.cluster, "rollout", cfg.rollout.gpus(), cfg.rollout.memory_gb))
+
+
+def scored(cfg: RunConfig, policy: Policy, batch, iteration: int, code: str):
+    """The score task of one iteration: CPU only (rewards, verifiers, sandboxed tools)."""
+    node = score(cfg=cfg.reward, hooks=cfg.hooks, rollout=cfg.rollout, policy=policy, batch=batch, iteration=iteration, root=cfg.run_root, code=code)
+    return node.with_overrides(**stage_overrides(cfg.cluster, "score"))
+
+
+def trained_on(cfg: RunConfig, ckpt, batch, reference: Policy, iteration: int, code: str):
+    """The train task of one iteration on a scored batch: the recipe's processes (nnodes x nproc_per_node), GPUs and memory."""
+    node = train_task(cfg.train, cfg.cluster)(
+        algo=cfg.algo,
+        cfg=cfg.train,
+        reward=cfg.reward,
+        rollout=cfg.rollout,
+        hooks=cfg.hooks,
+        ckpt=ckpt,
+        batch=batch,
+        reference=reference,
+        iteration=iteration,
+        root=cfg.run_root,
+        code=code,
+    )
+    return node.with_overrides(**stage_overrides(cfg.cluster, "train", cfg.train.gpus_per_node, cfg.train.memory_gb))
+
+
+def published(cfg: RunConfig, ckpt, parent):
+    """The checkpoint exported as the next policy version."""
+    node = elastic(publish, cfg.cluster)(cfg=cfg.publish, train_cfg=cfg.train, ckpt=ckpt, parent=parent, root=cfg.run_root)
+    return node.with_overrides(**stage_overrides(cfg.cluster, "publish"))
+
+
+def evaluated(cfg: RunConfig, policy: Policy, dataset: Dataset, code: str):
+    """The evaluate task on `policy`, its pod sized like the rollout's (the GPUs of the SGLang servers it launches)."""
+    node = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset, code=code)
+    return node.with_overrides(**stage_overrides(cfg.cluster, "evaluate", cfg.rollout.gpus(), cfg.rollout.memory_gb))
+
+
+def phased(cfg: RunConfig, ckpt, policy, reference: Policy, dataset: Dataset, state, buffer, first_iteration: int, steps: int, code: str):
+    """An async phase of `steps` training steps on Ray (its head and worker groups: tasks/async_phase.py)."""
+    node = async_phase(
+        cfg=cfg.async_phase,
+        rollout=cfg.rollout,
+        data=cfg.data,
+        reward=cfg.reward,
+        algo=cfg.algo,
+        train=cfg.train,
+        hooks=cfg.hooks,
+        publish_cfg=cfg.publish,
+        ckpt=ckpt,
+        policy=policy,
+        reference=reference,
+        dataset=dataset,
+        state=state,
+        buffer=buffer,
+        first_iteration=first_iteration,
+        steps=steps,
+        root=cfg.run_root,
+        code=code,
+    )
+    return node.with_overrides(**stage_overrides(cfg.cluster, "async"))
