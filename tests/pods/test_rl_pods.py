@@ -60,4 +60,5 @@ def test_the_iteration_is_tracked_in_one_mlflow_run_and_the_final_policy_loads_f
 def test_a_second_run_hits_the_cache_for_every_cached_task(rl_runs):
     _, _, again = rl_runs
     assert sorted(short(t) for t in again.by_task("cache hit")) == sorted(CACHED)
-    assert {short(t) for t in again.by_task("ran")} == {"evaluate_start", "start_run", "rl_loop", "log_iteration", "finish_run"}
+    reran = {short(t) for t in again.by_task("ran")}  # the dynamic nodes that build the loop, and the uncached tracking tasks
+    assert not reran & set(CACHED) and {"start_run", "log_iteration", "finish_run"} <= reran
