@@ -8,7 +8,11 @@ Emulated here: flytepropeller (nodes run one at a time in dependency order; inpu
 attribute paths and collections as the compiled bindings say; a `@dynamic` node's futures.pb run the same way, recursively;
 retries of recoverable failures), datacatalog (a cached task's outputs stored under its id, cache version and the hash of
 its input literal map), and the pod (its own process, an empty working directory, its own HOME and TMPDIR, the image's code
-read-only on PYTHONPATH, and a disk that is gone when the pod ends).
+read-only on PYTHONPATH, under bubblewrap a filesystem without this machine's temporary folders, home or checkouts, and a
+disk that is gone when the pod ends).
+
+Not emulated: sub-workflow and branch nodes (refused by name), nodes running side by side, resources, timeouts and
+interruptible (they are checked in the compiled spec), a multi-node Elastic job (one pod runs all its processes).
 """
 
 from __future__ import annotations
