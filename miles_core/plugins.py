@@ -104,7 +104,7 @@ STAGE_PLUGPOINTS: dict[str, tuple[str, ...]] = {
 STAGE_PLUGPOINTS["async"] = tuple(dict.fromkeys(f for stage in ("rollout", "score", "train") for f in STAGE_PLUGPOINTS[stage]))
 
 
-def _source_file(module_name: str) -> Path | None:
+def source_file(module_name: str) -> Path | None:
     """The .py file of a module, found without importing it (only its top-level package is located)."""
     top, *rest = module_name.split(".")
     spec = importlib.util.find_spec(top)
@@ -118,7 +118,7 @@ def _source_file(module_name: str) -> Path | None:
 
 
 def _source(module_name: str) -> str:
-    path = _source_file(module_name)
+    path = source_file(module_name)
     return path.read_text(encoding="utf-8") if path else ""
 
 
@@ -139,7 +139,7 @@ def _imports(module_name: str, packages: tuple[str, ...]) -> set[str]:
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import module`
-    return {m for m in found if m.split(".")[0] in packages and _source_file(m) is not None}
+    return {m for m in found if m.split(".")[0] in packages and source_file(m) is not None}
 
 
 def code_closure(module_name: str, packages: tuple[str, ...] = ("miles_core", "tasks", "containers")) -> str:

@@ -15,7 +15,8 @@ from datetime import timedelta
 from flytekit import Resources
 from flytekit.extras.accelerators import GPUAccelerator
 
-from miles_core.config import ClusterConfig
+from containers.images import cpu_image, image_for
+from miles_core.config import ClusterConfig, RunConfig
 
 SMALL = Resources(cpu="1", mem="2Gi")  # tracking, admission, the dynamic nodes that only build the loop
 MEDIUM = Resources(cpu="2", mem="8Gi")  # the CPU defaults of the stages: data, SFT, rollout, score, train, evaluate
@@ -45,11 +46,21 @@ def pod_resources(gpus: int, memory_gb: int) -> dict:
     return {"requests": resources, "limits": resources}
 
 
-def stage_overrides(cluster: ClusterConfig, stage: str, gpus: int = 0, memory_gb: int = 0) -> dict:
+def stage_overrides(cfg: RunConfig, stage: str) -> dict:
     """`with_overrides` arguments for a loop stage's node (all at once: each call replaces the node's accelerator):
-    the recipe's retries, the stage's timeout, interruptible where the stage may be, and the pod's GPUs, their
-    type and memory."""
+    the recipe's retries, the stage's timeout, interruptible where the stage may be, the pod's GPUs (the SGLang
+    servers' for rollout and evaluate, the trainer's for train), their type and memory, and its image
+    (containers/images.py `image_for`) where it is not the CPU image every task declares."""
+    cluster = cfg.cluster
+    gpus, memory_gb = {
+        "rollout": (cfg.rollout.gpus(), cfg.rollout.memory_gb),
+        "evaluate": (cfg.rollout.gpus(), cfg.rollout.memory_gb),
+        "train": (cfg.train.gpus_per_node, cfg.train.memory_gb),
+    }.get(stage, (0, 0))
     out = {"retries": cluster.retries, "timeout": timedelta(seconds=cluster.timeout_s(stage)), **pod_resources(gpus, memory_gb)}
+    image = image_for(cfg, stage)
+    if image is not cpu_image:  # the image every task declares
+        out["container_image"] = image.image_name()
     if stage in INTERRUPTIBLE:
         out["interruptible"] = cluster.interruptible
     if gpus and cluster.accelerator:

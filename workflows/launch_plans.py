@@ -1,6 +1,7 @@
 """One launch plan per recipe (recipes/*.yaml and the tiny twins in recipes/tiny/): the RL workflow with the recipe's
 RunConfig as its fixed input, named `rl.<recipe>` (`rl.tiny.<recipe>` for a twin), notifying the recipe's
-cluster.failure_emails when a run fails, times out or is aborted.
+cluster.failure_emails when a run fails, times out or is aborted. A recipe whose plug-in modules no image holds is
+refused here (containers/images.py `check_plugins_in_image`).
 
     pyflyte register --image <image> workflows/launch_plans.py      # then launch `rl.<recipe>` from the console or CLI
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from flytekit import Email, LaunchPlan
 from flytekit.models.core.execution import WorkflowExecutionPhase
 
+from containers.images import check_plugins_in_image
 from miles_core.config import load_recipe
 from workflows.rl import rl
 
@@ -34,6 +36,7 @@ def plan_name(path: Path) -> str:
 def launch_plan(path: Path, name: str) -> LaunchPlan:
     """The RL workflow with the recipe at `path` as its fixed input, failure notifications from its cluster section."""
     cfg = load_recipe(path, resolve_root=False)
+    check_plugins_in_image(cfg)
     emails = cfg.cluster.emails()
     notifications = [Email(phases=FAILED, recipients_email=emails)] if emails else []
     return LaunchPlan.get_or_create(workflow=rl, name=name, fixed_inputs={"cfg": cfg}, notifications=notifications)

@@ -16,7 +16,7 @@ from tasks.rl import convert, evaluate, publish, rollout, score, train_task
 def converted(cfg: RunConfig, start: Policy):
     """The base policy in the trainer backend's format, once before the first iteration."""
     node = elastic(convert, cfg.cluster)(cfg=cfg.train, algo=cfg.algo, policy=start, root=cfg.run_root)
-    return node.with_overrides(**stage_overrides(cfg.cluster, "convert"))
+    return node.with_overrides(**stage_overrides(cfg, "convert"))
 
 
 def rolled_out(cfg: RunConfig, policy: Policy, dataset: Dataset, state: DataState, buffer, iteration: int, code: str):
@@ -33,13 +33,13 @@ def rolled_out(cfg: RunConfig, policy: Policy, dataset: Dataset, state: DataStat
         root=cfg.run_root,
         code=code,
     )
-    return node.with_overrides(**stage_overrides(cfg.cluster, "rollout", cfg.rollout.gpus(), cfg.rollout.memory_gb))
+    return node.with_overrides(**stage_overrides(cfg, "rollout"))
 
 
 def scored(cfg: RunConfig, policy: Policy, batch, iteration: int, code: str):
     """The score task of one iteration: CPU only (rewards, verifiers, sandboxed tools)."""
     node = score(cfg=cfg.reward, hooks=cfg.hooks, rollout=cfg.rollout, policy=policy, batch=batch, iteration=iteration, root=cfg.run_root, code=code)
-    return node.with_overrides(**stage_overrides(cfg.cluster, "score"))
+    return node.with_overrides(**stage_overrides(cfg, "score"))
 
 
 def trained_on(cfg: RunConfig, ckpt, batch, reference: Policy, iteration: int, code: str):
@@ -57,19 +57,19 @@ def trained_on(cfg: RunConfig, ckpt, batch, reference: Policy, iteration: int, c
         root=cfg.run_root,
         code=code,
     )
-    return node.with_overrides(**stage_overrides(cfg.cluster, "train", cfg.train.gpus_per_node, cfg.train.memory_gb))
+    return node.with_overrides(**stage_overrides(cfg, "train"))
 
 
 def published(cfg: RunConfig, ckpt, parent):
     """The checkpoint exported as the next policy version."""
     node = elastic(publish, cfg.cluster)(cfg=cfg.publish, train_cfg=cfg.train, ckpt=ckpt, parent=parent, root=cfg.run_root)
-    return node.with_overrides(**stage_overrides(cfg.cluster, "publish"))
+    return node.with_overrides(**stage_overrides(cfg, "publish"))
 
 
 def evaluated(cfg: RunConfig, policy: Policy, dataset: Dataset, code: str):
     """The evaluate task on `policy`, its pod sized like the rollout's (the GPUs of the SGLang servers it launches)."""
     node = evaluate(cfg=cfg.evaluation, reward=cfg.reward, data=cfg.data, rollout=cfg.rollout, policy=policy, dataset=dataset, code=code)
-    return node.with_overrides(**stage_overrides(cfg.cluster, "evaluate", cfg.rollout.gpus(), cfg.rollout.memory_gb))
+    return node.with_overrides(**stage_overrides(cfg, "evaluate"))
 
 
 def phased(cfg: RunConfig, ckpt, policy, reference: Policy, dataset: Dataset, state, buffer, first_iteration: int, steps: int, code: str):
@@ -94,4 +94,4 @@ def phased(cfg: RunConfig, ckpt, policy, reference: Policy, dataset: Dataset, st
         root=cfg.run_root,
         code=code,
     )
-    return node.with_overrides(**stage_overrides(cfg.cluster, "async"))
+    return node.with_overrides(**stage_overrides(cfg, "async"))

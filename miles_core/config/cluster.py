@@ -15,6 +15,7 @@ from miles_core.config.base import check as _check
 
 # GPU types a node may ask for: the device names of flytekit's accelerators (flytekit.extras.accelerators), which a
 # cluster maps to its node labels
+GPU_PLATFORMS = ("cuda", "rocm")
 ACCELERATORS = ("nvidia-h100", "nvidia-h200", "nvidia-tesla-a100", "nvidia-a100-80gb", "nvidia-l40s", "nvidia-l4", "nvidia-a10g")
 # the stages whose tasks the loop builds, each with a timeout of its own (cluster.<stage>_timeout_min)
 TIMED_STAGES = ("convert", "rollout", "score", "train", "publish", "evaluate", "async")
@@ -31,6 +32,7 @@ class ClusterConfig:
     retries: int = 2
     interruptible: bool = True  # rollout, score and evaluate may run on interruptible (spot) nodes: cached and restartable
     accelerator: str = ""  # GPU type of every pod that asks for GPUs (ACCELERATORS); "" = whichever the cluster gives
+    gpu_platform: str = "cuda"  # the image of the pods that train on GPUs (containers/images.py): cuda | rocm
     convert_timeout_min: int = 240
     rollout_timeout_min: int = 180
     score_timeout_min: int = 60
@@ -52,6 +54,12 @@ class ClusterConfig:
             self.accelerator in ("", *ACCELERATORS),
             "cluster.accelerator",
             f"unknown GPU type {self.accelerator!r} (available: {', '.join(ACCELERATORS)})",
+        )
+        _check(self.gpu_platform in GPU_PLATFORMS, "cluster.gpu_platform", f"must be one of {', '.join(GPU_PLATFORMS)}, got {self.gpu_platform!r}")
+        _check(
+            not self.accelerator or self.gpu_platform == "cuda",
+            "cluster.accelerator",
+            f"{self.accelerator!r} is an NVIDIA GPU type, and cluster.gpu_platform is {self.gpu_platform}: leave accelerator empty",
         )
         for stage in TIMED_STAGES:
             minutes = getattr(self, f"{stage}_timeout_min")

@@ -156,6 +156,14 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"{c.cluster.accelerator!r} is the type of the GPUs a pod asks for, and this recipe asks for none: set train.gpus_per_node or rollout GPUs",
     ),
     Rule(
+        "cluster.gpu_platform",
+        lambda c: c.cluster.gpu_platform == "rocm",
+        lambda c: not c.rollout.gpus(),
+        lambda c: (
+            "the SGLang image is built for CUDA (containers/images.py): launch the SGLang servers on NVIDIA nodes, or attach ROCm ones by rollout.sglang.urls"
+        ),
+    ),
+    Rule(
         "async_phase.take_timeout_s",
         _async,
         lambda c: c.async_phase.take_timeout_s < c.cluster.timeout_s("async"),

@@ -15,6 +15,7 @@ from flytekit import workflow
 from flytekit.models.task import Resources
 from flytekit.tools.translator import get_serializable
 
+from containers.images import sglang_image, train_image
 from miles_core.checkpoint.hf_megatron import ARCHS
 from miles_core.config import ConfigError, load_recipe
 from miles_core.config.rules import check_parallel_fit
@@ -127,6 +128,13 @@ def test_compiled_nodes_ask_for_the_recipe_processes_gpus_and_memory(name):
         node, _ = nodes[task]
         gpus = cfg.rollout.gpus()
         assert requests(node) == {"CPU": str(8 * gpus), "MEMORY": f"{64 * gpus}Gi", "GPU": str(gpus)}, task
+
+
+def test_the_compiled_nodes_name_their_images():
+    nodes = compiled(recipe("gpt_oss_20b"))
+    overrides = {task: node.task_node.overrides.container_image for task, (node, _) in nodes.items()}
+    sglang, train = sglang_image.image_name(), train_image.image_name()
+    assert overrides == {"tasks.rl.rollout": sglang, "tasks.rl.train": train, "tasks.rl.evaluate": sglang}
 
 
 def test_a_named_memory_replaces_the_per_gpu_default():

@@ -106,6 +106,12 @@ CASES = [
         {"train.gpus_per_node": 2},
     ),
     (
+        "rocm_sglang_gpus",
+        {"cluster.gpu_platform": "rocm", "rollout.engine": "sglang", "rollout.sglang.device": "cuda"},
+        "cluster.gpu_platform: the SGLang image is built for CUDA",
+        {"rollout.sglang.urls": "http://10.0.0.7:30000"},
+    ),
+    (
         "async_take_timeout",
         {**ASYNC, "cluster.async_timeout_min": 10},
         "async_phase.take_timeout_s: must be below cluster.async_timeout_min (10 min)",
