@@ -48,6 +48,7 @@ from tests.servers import free_port
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix).resolve()  # the image's Python environment
 CODE_PACKAGES = ("miles_core", "tasks", "workflows", "containers")  # what the image ships of the project
+CODE_FILES = ("pyproject.toml", "requirements.lock")  # the image holds the repository's files; containers/images.py reads these
 BUCKET = "miles-pods"
 PROJECT, DOMAIN, VERSION = "miles", "development", "pods"
 PASSED_ENV = ("OMP_NUM_THREADS", "LANG", "TRANSFORMERS_VERBOSITY", "TOKENIZERS_PARALLELISM")  # what the image's env would set
@@ -137,7 +138,7 @@ class Cluster:
         """The project's packages (and `extra_code`, files relative to the repo) copied read-only: the code an image holds."""
         for package in CODE_PACKAGES:
             shutil.copytree(REPO / package, dest / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        for name in extra_code:
+        for name in (*CODE_FILES, *extra_code):
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(REPO / name, dest / name)
         for path in [dest, *dest.rglob("*")]:
