@@ -19,9 +19,14 @@ def digest(*parts: object) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:10]
 
 
+def artifact_name(stage: str, iteration: int, *inputs: object, suffix: str = "") -> str:
+    """<stage>/<iteration:04d>-<digest of inputs><suffix>: an artifact's place under any run root (a folder or a URI)."""
+    return f"{stage}/{iteration:04d}-{digest(stage, iteration, *inputs)}{suffix}"
+
+
 def artifact_path(root: str, stage: str, iteration: int, *inputs: object, suffix: str = "") -> Path:
     """<root>/<stage>/<iteration:04d>-<digest of inputs><suffix>"""
-    return Path(root) / stage / f"{iteration:04d}-{digest(stage, iteration, *inputs)}{suffix}"
+    return Path(root) / artifact_name(stage, iteration, *inputs, suffix=suffix)
 
 
 @contextlib.contextmanager

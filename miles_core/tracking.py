@@ -11,9 +11,14 @@ import time
 from pathlib import Path
 
 from miles_core.config import TrackingConfig
+from miles_core.config.base import ConfigError
+from miles_core.config.model import URI_SCHEMES
 
 
 def tracking_uri(cfg: TrackingConfig, run_root: str) -> str:
+    """The recipe's tracking URI, else a sqlite store under a local run root (an object store holds no sqlite database)."""
+    if not cfg.tracking_uri and run_root.startswith(URI_SCHEMES):
+        raise ConfigError(f"tracking.tracking_uri: run_root {run_root} is in an object store, where no sqlite MLflow store can live: name an MLflow server")
     return cfg.tracking_uri or f"sqlite:///{Path(run_root).resolve()}/mlflow.db"
 
 
@@ -23,10 +28,12 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def start_run(uri: str, experiment: str, artifact_root: str, run_name: str, params: dict, tags: dict) -> str:
+def start_run(uri: str, experiment: str, artifact_root: str | None, run_name: str, params: dict, tags: dict) -> str:
+    """A new run of `experiment` (created with its artifacts under the local folder artifact_root; None: where the server keeps them)."""
     client = _client(uri)
     found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment, artifact_location=Path(artifact_root).resolve().as_uri())
+    location = Path(artifact_root).resolve().as_uri() if artifact_root else None
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment, artifact_location=location)
     run = client.create_run(experiment_id, run_name=run_name, tags={k: str(v) for k, v in tags.items()})
     from mlflow.entities import Param  # heavy import, only where tracking happens
 

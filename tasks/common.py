@@ -1,17 +1,26 @@
-"""Typed values that flow between the tasks, and what every task shares (cache version, lasting outputs).
+"""Typed values that flow between the tasks, and what every task shares (cache version, artifacts).
 
-Every directory or file a task returns lives under the run root and is returned with
-`from_source`, so flytekit records its path instead of copying it to a temporary folder that a
-later cache hit could no longer find.
+An artifact another task reads is written to a scratch folder on the task's own disk and returned as
+an upload (`uploaded_dir`, `uploaded_file`) to a place under the run root named by its stage and the
+digest of what produced it (`artifact_uri`): an object-store URI on a cluster, a local folder in a local
+run. flytekit uploads it when the task returns; the consumer downloads it (`.download()`) and names it
+by its URI (`uri_of`), never by the path it was downloaded to. A cache hit returns the uploaded copy.
+
+The async phase (tasks/async_phase.py) still writes under a local run root and returns its outputs with
+`lasting_dir`/`lasting_file` (flytekit records the path): it runs in local executions only.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Optional
 
+import flytekit
 import transformers
+from flytekit.core.context_manager import FlyteContextManager
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
@@ -19,7 +28,7 @@ import miles_core
 from miles_core.config import config_hash
 from miles_core.data.source import DataState
 from miles_core.plugins import code_closure
-from miles_core.storage import digest
+from miles_core.storage import artifact_name, digest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the project builds its own models; never reach a hub
 transformers.utils.logging.disable_progress_bar()  # per-load bars drown the per-iteration lines
@@ -82,6 +91,38 @@ def lasting_dir(path) -> FlyteDirectory:
 
 def lasting_file(path) -> FlyteFile:
     return FlyteFile.from_source(str(path))
+
+
+def new_artifact(root: str, stage: str, iteration: int, *inputs: object, suffix: str = "") -> tuple[Path, str]:
+    """Where this task writes an artifact on its own disk (in its execution's working directory, the same for every
+    process of an Elastic task), and where it is uploaded to: <root>/<stage>/<iteration:04d>-<digest of inputs><suffix>,
+    the root an object-store URI or a local folder."""
+    name = artifact_name(stage, iteration, *inputs, suffix=suffix)
+    return Path(flytekit.current_context().working_directory) / "artifacts" / name, f"{root.rstrip('/')}/{name}"
+
+
+def member(directory: FlyteDirectory, name: str) -> Path:
+    """One file of an input directory, downloaded alone (a manifest, a source record) instead of the whole directory."""
+    if not directory.remote_source:
+        return Path(directory.path) / name
+    local = Path(tempfile.mkdtemp(dir=flytekit.current_context().working_directory)) / name
+    FlyteContextManager.current_context().file_access.get_data(f"{directory.remote_source.rstrip('/')}/{name}", str(local))
+    return local
+
+
+def uploaded_dir(local: str | os.PathLike, dest: str) -> FlyteDirectory:
+    """The folder `local`, which flytekit uploads to `dest` when the task returns."""
+    return FlyteDirectory(str(local), remote_directory=dest)
+
+
+def uploaded_file(local: str | os.PathLike, dest: str) -> FlyteFile:
+    """The file `local`, which flytekit uploads to `dest` when the task returns."""
+    return FlyteFile(str(local), remote_path=dest)
+
+
+def uri_of(artifact: FlyteDirectory | FlyteFile) -> str:
+    """Where an input artifact lives (its object-store URI; in a local run its path): what names and digests refer to."""
+    return artifact.remote_source or str(artifact.path)
 
 
 def cache_version(*sections: type, module: str) -> str:

@@ -6,33 +6,33 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import flytekit
 from flytekit import task
+from flytekit.core.context_manager import FlyteContextManager
 
 from containers.images import cpu_image
 from miles_core.config import DataConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.data.problems import make_problem_set, write_jsonl
 from miles_core.data.source import load_prompts
 from miles_core.models.source import admit, fetch_base
-from miles_core.storage import artifact_path, atomic_file, sha256_file
-from tasks.common import Dataset, Policy, cache_version, lasting_dir, lasting_file
+from miles_core.storage import atomic_file, sha256_file
+from tasks.common import Dataset, Policy, cache_version, new_artifact, uploaded_dir, uploaded_file
 from tasks.metadata import MEDIUM, cached, declared
 from tasks.retry import recoverable
 
 
 def _download(uri: str, local: str) -> None:
     """An object-store directory into `local`, through the execution's file access (its credentials and retries)."""
-    flytekit.current_context().file_access.get_data(uri, local, is_multipart=True)
+    FlyteContextManager.current_context().file_access.get_data(uri, local, is_multipart=True)
 
 
 @task(**cached(cache_version(ModelConfig, module=__name__)), container_image=cpu_image, **declared("base_model", MEDIUM, minutes=240))
 @recoverable
 def base_model(cfg: ModelConfig, root: str) -> Policy:
     """The base policy as version 0: the checkpoint model.path names, or the tiny model; its source and digest in source.json."""
-    out = artifact_path(root, "base", 0, cfg)
+    out, dest = new_artifact(root, "base", 0, cfg)
     record = fetch_base(cfg, out, _download)
     print(f"base model: {record['path']} (sha256 {record['sha256'][:12]})")
-    return Policy(dir=lasting_dir(out), version=0)
+    return Policy(dir=uploaded_dir(out, dest), version=0)
 
 
 @task(**cached(cache_version(TrainConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("admit_model", MEDIUM, minutes=60))
@@ -40,7 +40,7 @@ def base_model(cfg: ModelConfig, root: str) -> Policy:
 def admit_model(base: Policy, train: TrainConfig, rollout: RolloutConfig) -> Policy:
     """The base policy, once the boundary check passed (whole weights, fitting tokenizer, an architecture and
     shape the trainer backend and the rollout engine take); every later stage starts from this output, so a refusal comes first."""
-    admit(base.dir.path, train, rollout)
+    admit(base.dir.download(), train, rollout)
     return base
 
 
@@ -48,7 +48,7 @@ def admit_model(base: Policy, train: TrainConfig, rollout: RolloutConfig) -> Pol
 @recoverable
 def make_data(cfg: DataConfig, root: str) -> Dataset:
     """The problem set's splits, or the user's prompt files checked row by row and copied in."""
-    out = artifact_path(root, "data", 0, cfg)
+    out, dest = new_artifact(root, "data", 0, cfg)
     if cfg.train_file:
         train, test = (
             _checked_copy(cfg, source, out / f"{name}{Path(source).suffix}") for name, source in (("train", cfg.train_file), ("test", cfg.test_file))
@@ -57,7 +57,7 @@ def make_data(cfg: DataConfig, root: str) -> Dataset:
         train, test = out / "train.jsonl", out / "test.jsonl"
         for rows, path in zip(make_problem_set(cfg), (train, test)):
             write_jsonl(rows, path)
-    return Dataset(train=lasting_file(train), test=lasting_file(test), sha256=sha256_file(train))
+    return Dataset(train=uploaded_file(train, f"{dest}/{train.name}"), test=uploaded_file(test, f"{dest}/{test.name}"), sha256=sha256_file(train))
 
 
 def _checked_copy(cfg: DataConfig, source: str, dest: Path) -> Path:

@@ -32,9 +32,21 @@ from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine, weight_update_metrics
 from miles_core.schemas import read_batch, write_batch
 from miles_core.step import bind, groups_of, rollout_seed, score_batch, scorer_of
-from miles_core.storage import artifact_path, atomic_dir
+from miles_core.storage import atomic_dir
 from miles_core.train.backends import convert_checkpoint, export_policy, train_checkpoint
-from tasks.common import BatchResult, Checkpoint, Dataset, Policy, RolloutResult, TrainResult, cache_version, lasting_dir, lasting_file
+from tasks.common import (
+    BatchResult,
+    Checkpoint,
+    Dataset,
+    Policy,
+    RolloutResult,
+    TrainResult,
+    cache_version,
+    new_artifact,
+    uploaded_dir,
+    uploaded_file,
+    uri_of,
+)
 from tasks.elastic import elastic, elastic_task
 from tasks.metadata import DEFAULTS, cached, declared
 from tasks.retry import recoverable
@@ -56,7 +68,7 @@ def _forked_worker() -> None:
 
 
 def _prompts(dataset_file, data: DataConfig):
-    return load_prompts(dataset_file.path, data.input_key, data.label_key, data.metadata_key)
+    return load_prompts(dataset_file.download(), data.input_key, data.label_key, data.metadata_key)
 
 
 @elastic_task(**cached(cache_version(TrainConfig, AlgoConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("convert"))
@@ -64,10 +76,10 @@ def _prompts(dataset_file, data: DataConfig):
 def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Checkpoint:
     """Base HF checkpoint -> the backend's checkpoint format (megatron: torch_dist, reshardable), and a fresh critic for PPO."""
     _forked_worker()
-    out = artifact_path(root, "checkpoint", 0, cfg, algo, policy.dir.path)
+    out, dest = new_artifact(root, "checkpoint", 0, cfg, algo, uri_of(policy.dir))
     with atomic_dir(out) as tmp:
-        convert_checkpoint(cfg, algo, policy.dir.path, tmp)
-    return Checkpoint(dir=lasting_dir(out), step=0)
+        convert_checkpoint(cfg, algo, policy.dir.download(), tmp)
+    return Checkpoint(dir=uploaded_dir(out, dest), step=0)
 
 
 @task(**cached(cache_version(RolloutConfig, DataConfig, RewardConfig, module=__name__)), container_image=cpu_image, **declared("rollout"))
@@ -86,16 +98,19 @@ def rollout(
 ) -> RolloutResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
     fns = bind(rollout=cfg, reward=reward)
     source = plugin(data, "data", "source_fn")(_prompts(dataset.train, data), data.seed, state)
-    tokenizer = AutoTokenizer.from_pretrained(policy.dir.path)
-    shape = {"vocab_size": vocab_size(policy.dir.path), "group_size": cfg.n_samples}
-    waiting = groups_of(read_batch(buffer.path, scored=True, **shape), cfg.n_samples) if buffer is not None else []
-    engine = make_engine(cfg, policy.dir.path, policy.version)
+    policy_dir = policy.dir.download()
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    shape = {"vocab_size": vocab_size(policy_dir), "group_size": cfg.n_samples}
+    waiting = groups_of(read_batch(buffer.download(), scored=True, **shape), cfg.n_samples) if buffer is not None else []
+    engine = make_engine(cfg, policy_dir, policy.version)
     samples, left, metrics = fns.rollout_fn(engine, source, tokenizer, fns, scorer_of(fns, tokenizer), waiting, rollout_seed(cfg, iteration))
     metrics.update(weight_update_metrics(engine))
-    out = artifact_path(root, "rollout", iteration, cfg, reward, policy.dir.path, state, buffer.path if buffer else "", code, suffix=".parquet")
+    inputs = (cfg, reward, uri_of(policy.dir), state, uri_of(buffer) if buffer else "", code)
+    out, dest = new_artifact(root, "rollout", iteration, *inputs, suffix=".parquet")
+    left_out, left_dest = new_artifact(root, "rollout", iteration, *inputs, suffix=".buffer.parquet")
     write_batch(samples, out, **shape)
-    left_file = write_batch([s for g in left for s in g], out.with_suffix(".buffer.parquet"), scored=True, **shape) if left else None
-    return RolloutResult(batch=lasting_file(out), state=source.state, metrics=metrics, buffer=lasting_file(left_file) if left_file else None)
+    left_file = uploaded_file(write_batch([s for g in left for s in g], left_out, scored=True, **shape), left_dest) if left else None
+    return RolloutResult(batch=uploaded_file(out, dest), state=source.state, metrics=metrics, buffer=left_file)
 
 
 @task(**cached(cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("score"))
@@ -103,12 +118,13 @@ def rollout(
 def score(
     cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy: Policy, batch: RolloutResult, iteration: int, root: str, code: str
 ) -> BatchResult:
-    shape = {"vocab_size": vocab_size(policy.dir.path), "group_size": rollout.n_samples}
-    samples = read_batch(batch.batch.path, **shape)
-    metrics = score_batch(samples, bind(rollout=rollout, reward=cfg, hooks=hooks), AutoTokenizer.from_pretrained(policy.dir.path), iteration, batch.metrics)
-    out = artifact_path(root, "scored", iteration, cfg, hooks, batch.batch.path, code, suffix=".parquet")
+    policy_dir = policy.dir.download()
+    shape = {"vocab_size": vocab_size(policy_dir), "group_size": rollout.n_samples}
+    samples = read_batch(batch.batch.download(), **shape)
+    metrics = score_batch(samples, bind(rollout=rollout, reward=cfg, hooks=hooks), AutoTokenizer.from_pretrained(policy_dir), iteration, batch.metrics)
+    out, dest = new_artifact(root, "scored", iteration, cfg, hooks, uri_of(batch.batch), code, suffix=".parquet")
     write_batch(samples, out, scored=True, reward_range=(cfg.min, cfg.max), **shape)
-    return BatchResult(batch=lasting_file(out), metrics=metrics)
+    return BatchResult(batch=uploaded_file(out, dest), metrics=metrics)
 
 
 @elastic_task(
@@ -133,14 +149,14 @@ def train(
 ) -> TrainResult:
     """One RL step on every process (each trains its data-parallel rows); rank 0's result is the task's."""
     _forked_worker()
+    reference_dir = reference.dir.download()
     samples = read_batch(
-        batch.batch.path, scored=True, reward_range=(reward.min, reward.max), vocab_size=vocab_size(reference.dir.path), group_size=rollout.n_samples
+        batch.batch.download(), scored=True, reward_range=(reward.min, reward.max), vocab_size=vocab_size(reference_dir), group_size=rollout.n_samples
     )
-    out = artifact_path(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, ckpt.dir.path, batch.batch.path, code)
-    step, metrics = train_checkpoint(
-        cfg, bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks), ckpt.dir.path, samples, reference.dir.path, out, iteration
-    )
-    return TrainResult(ckpt=Checkpoint(dir=lasting_dir(out), step=step), metrics=metrics)
+    out, dest = new_artifact(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, uri_of(ckpt.dir), uri_of(batch.batch), code)
+    fns = bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks)
+    step, metrics = train_checkpoint(cfg, fns, ckpt.dir.download(), samples, reference_dir, out, iteration)
+    return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics)
 
 
 @elastic_task(**cached(cache_version(PublishConfig, TrainConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("publish"))
@@ -149,17 +165,18 @@ def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent
     """Export the checkpoint (any parallel sizes) as the next policy version (HF safetensors + lineage manifest)."""
     _forked_worker()
     version = parent.version + 1
-    out = artifact_path(root, "policy", version, cfg, ckpt.dir.path)
-    export_policy(train_cfg, ckpt.dir.path, out, cfg.dtype, version, parent.version)
-    return Policy(dir=lasting_dir(out), version=version)
+    out, dest = new_artifact(root, "policy", version, cfg, uri_of(ckpt.dir))
+    export_policy(train_cfg, ckpt.dir.download(), out, cfg.dtype, version, parent.version, source=uri_of(ckpt.dir))
+    return Policy(dir=uploaded_dir(out, dest), version=version)
 
 
 @task(**cached(cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("evaluate"))
 @recoverable
 def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: RolloutConfig, policy: Policy, dataset: Dataset, code: str) -> dict[str, float]:
     """Held-out evaluation of a policy version (evaluation.fn, greedy accuracy by default)."""
-    engine = make_engine(rollout, policy.dir.path, policy.version, max_batch_sequences=cfg.batch_size)
+    policy_dir = policy.dir.download()
+    engine = make_engine(rollout, policy_dir, policy.version, max_batch_sequences=cfg.batch_size)
     fns = bind(rollout=rollout, reward=reward, evaluation=cfg)
-    metrics = fns.evaluate_fn(engine, _prompts(dataset.test, data), AutoTokenizer.from_pretrained(policy.dir.path), fns)
+    metrics = fns.evaluate_fn(engine, _prompts(dataset.test, data), AutoTokenizer.from_pretrained(policy_dir), fns)
     print(f"evaluate: policy v{policy.version}: held-out accuracy {metrics['eval/accuracy']:.3f}")
     return metrics

@@ -8,11 +8,10 @@ from transformers import AutoTokenizer
 from containers.images import cpu_image
 from miles_core.config import DataConfig, SFTConfig
 from miles_core.data.source import load_prompts
-from miles_core.storage import artifact_path
 from miles_core.train.sft import demonstrations, run_sft, sft_train_config
 from miles_core.train.torch_backend import TorchTrainer
 from miles_core.weights.publish import publish
-from tasks.common import Dataset, Policy, cache_version, lasting_dir
+from tasks.common import Dataset, Policy, cache_version, new_artifact, uploaded_dir, uri_of
 from tasks.metadata import MEDIUM, cached, declared
 from tasks.retry import recoverable
 
@@ -21,11 +20,12 @@ from tasks.retry import recoverable
 @recoverable
 def sft(cfg: SFTConfig, data: DataConfig, base: Policy, dataset: Dataset, root: str) -> Policy:
     """SFT on the train split's demonstrations; the result is published as the next version."""
-    tokenizer = AutoTokenizer.from_pretrained(base.dir.path)
-    prompts = load_prompts(dataset.train.path, data.input_key, data.label_key, data.metadata_key)
-    trainer = TorchTrainer.from_hf(base.dir.path, sft_train_config(cfg))
+    base_dir = base.dir.download()
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    prompts = load_prompts(dataset.train.download(), data.input_key, data.label_key, data.metadata_key)
+    trainer = TorchTrainer.from_hf(base_dir, sft_train_config(cfg))
     metrics = run_sft(trainer, demonstrations(prompts, tokenizer), cfg, tokenizer.pad_token_id)
     print(f"sft: {cfg.steps} steps, final loss {metrics.get('sft/loss', float('nan')):.4f}")
-    out = artifact_path(root, "sft", 0, cfg, base.dir.path, dataset.sha256)
-    publish(trainer, base.dir.path, out, "float32", version=base.version + 1, parent_version=base.version)
-    return Policy(dir=lasting_dir(out), version=base.version + 1)
+    out, dest = new_artifact(root, "sft", 0, cfg, uri_of(base.dir), dataset.sha256)
+    publish(trainer, base_dir, out, "float32", version=base.version + 1, parent_version=base.version, source=uri_of(base.dir))
+    return Policy(dir=uploaded_dir(out, dest), version=base.version + 1)

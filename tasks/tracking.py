@@ -15,9 +15,10 @@ from flytekit import Deck, task
 from containers.images import cpu_image
 from miles_core import tracking
 from miles_core.config import RunConfig, config_hash, flatten
-from miles_core.models.source import read_source
+from miles_core.config.model import URI_SCHEMES
+from miles_core.models.source import SOURCE_FILE, read_source
 from miles_core.weights.publish import read_manifest
-from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking
+from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking, member, uri_of
 from tasks.metadata import SMALL, declared
 from tasks.retry import recoverable
 
@@ -36,11 +37,11 @@ class Report:
 def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, evaluation: dict[str, float]) -> Tracking:
     uri = tracking.tracking_uri(cfg.tracking, cfg.run_root)
     execution = flytekit.current_context().execution_id
-    source = read_source(base.dir.path)
+    source = read_source(member(base.dir, SOURCE_FILE).parent)
     run_id = tracking.start_run(
         uri,
         cfg.tracking.experiment or cfg.name,
-        str(Path(cfg.run_root) / "mlartifacts"),
+        None if cfg.run_root.startswith(URI_SCHEMES) else str(Path(cfg.run_root) / "mlartifacts"),  # an object-store root: the server's
         run_name=f"{cfg.name}-{config_hash(cfg)[:6]}",
         params=flatten(cfg),
         tags={
@@ -50,7 +51,7 @@ def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, eva
             "model.source": source["path"],  # the base checkpoint every policy version of this run descends from
             "model.sha256": source["sha256"],
             "flyte.execution_id": f"{execution.project}:{execution.domain}:{execution.name}",
-            "parent_policy_dir": start.dir.path,
+            "parent_policy_dir": uri_of(start.dir),
         },
     )
     tracking.log_metrics(uri, run_id, evaluation, step=0)
@@ -65,7 +66,7 @@ def log_iteration(
 ) -> None:
     metrics = {**rollout, **score, **train, **evaluation, "time/logged_at": time.time()}
     tracking.log_metrics(run.uri, run.run_id, metrics, step=iteration + 1)
-    tracking.log_dict(run.uri, run.run_id, read_manifest(policy.dir.path), f"policies/v{policy.version:04d}.json")
+    tracking.log_dict(run.uri, run.run_id, read_manifest(member(policy.dir, "policy.json").parent), f"policies/v{policy.version:04d}.json")
     loss = f"loss {train['train/loss']:+.4f}" if "train/loss" in train else f"critic warm-up, value loss {train['critic/loss']:.4f}"
     line = f"iteration {iteration + 1}: reward {score['reward/mean']:.3f} {loss} policy v{policy.version}"
     if evaluation:
@@ -76,20 +77,19 @@ def log_iteration(
 @task(cache=False, enable_deck=True, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
 @recoverable
 def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float], policy: Policy, root: str) -> Report:
-    manifest = read_manifest(policy.dir.path)
+    manifest = read_manifest(member(policy.dir, "policy.json").parent)
     learned, verdict = tracking.learning_verdict(before["eval/accuracy"], after["eval/accuracy"], after["eval/prompts"])
     tracking.set_tags(
         run.uri,
         run.run_id,
         {
             "policy_version": policy.version,
-            "policy_dir": policy.dir.path,
+            "policy_dir": uri_of(policy.dir),
             "policy_sha256": manifest["weights_sha256"],
             "learned": str(learned).lower(),
         },
     )
-    png = Path(root) / "reports" / f"{run.run_id}-reward_curve.png"
-    png.parent.mkdir(parents=True, exist_ok=True)
+    png = Path(flytekit.current_context().working_directory) / f"{run.run_id}-reward_curve.png"  # logged to the run and the deck
     tracking.reward_curve(run.uri, run.run_id, str(png))
     image = base64.b64encode(png.read_bytes()).decode()
     Deck("reward curve", f'<img src="data:image/png;base64,{image}"><p>MLflow run {run.run_id}</p>')
@@ -99,7 +99,7 @@ def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float],
     print(verdict, flush=True)
     if not learned:
         logging.getLogger("miles_flyte").warning(verdict)
-    print(f"MLflow: run {run.run_id} ({run.uri}); `make ui` to browse; final policy v{policy.version}: {policy.dir.path}")
+    print(f"MLflow: run {run.run_id} ({run.uri}); `make ui` to browse; final policy v{policy.version}: {uri_of(policy.dir)}")
     return report
 
 
@@ -116,7 +116,7 @@ def log_phase(run: Tracking, first_iteration: int, phase: AsyncPhaseResult, eval
             f"staleness {step['async/staleness_mean']:.2f} (async)",
             flush=True,
         )
-    tracking.log_dict(run.uri, run.run_id, read_manifest(phase.policy.dir.path), f"policies/v{phase.policy.version:04d}.json")
+    tracking.log_dict(run.uri, run.run_id, read_manifest(member(phase.policy.dir, "policy.json").parent), f"policies/v{phase.policy.version:04d}.json")
     line = f"async phase {first_iteration + 1}-{last}: {phase.metrics['async/samples_per_s']:.1f} samples/s, policy v{phase.policy.version}"
     if evaluation:
         line += f" | held-out accuracy {evaluation['eval/accuracy']:.3f}"

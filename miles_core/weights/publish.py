@@ -76,10 +76,10 @@ def read_manifest(policy_dir: str | Path) -> dict:
     return manifest
 
 
-def publish(trainer, ckpt_dir: str, out_dir: str | Path, dtype: str, version: int, parent_version: int | None) -> dict:
-    """Export the trainer's policy to out_dir as version `version`; returns its manifest."""
+def publish(trainer, ckpt_dir: str, out_dir: str | Path, dtype: str, version: int, parent_version: int | None, source: str | None = None) -> dict:
+    """Export the trainer's policy to out_dir as version `version`; returns its manifest (its source: `source`, else ckpt_dir)."""
     with atomic_dir(out_dir) as tmp:
         trainer.export_hf(str(tmp), dtype)
         copy_tokenizer(ckpt_dir, tmp)
-        manifest = write_manifest(tmp, version, parent_version, source=str(ckpt_dir))
+        manifest = write_manifest(tmp, version, parent_version, source=source or str(ckpt_dir))
     return manifest

@@ -2,22 +2,13 @@
 metrics, params and reward-curve artifact over its REST API."""
 
 import json
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
+from tests.servers import mlflow_server
+
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str) -> dict:
@@ -28,39 +19,8 @@ def get(url: str) -> dict:
 @pytest.fixture
 def server(smoke_run):
     root, _ = smoke_run
-    port = free_port()
-    mlflow = Path(sys.executable).parent / "mlflow"
-    proc = subprocess.Popen(
-        [
-            str(mlflow),
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{root}/mlflow.db",
-            "--default-artifact-root",
-            str(root / "mlartifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None, "mlflow server exited"
-            assert time.monotonic() < deadline, "mlflow server not healthy within 120 s"
-            time.sleep(0.5)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
+    with mlflow_server(f"sqlite:///{root}/mlflow.db", "--default-artifact-root", str(root / "mlartifacts")) as base:
+        yield base
 
 
 def test_server_serves_the_run(server):
