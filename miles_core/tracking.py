@@ -7,6 +7,7 @@ mlflow is imported here only, inside the functions, because the core must import
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -16,10 +17,16 @@ from miles_core.config.model import URI_SCHEMES
 
 
 def tracking_uri(cfg: TrackingConfig, run_root: str) -> str:
-    """The recipe's tracking URI, else a sqlite store under a local run root (an object store holds no sqlite database)."""
-    if not cfg.tracking_uri and run_root.startswith(URI_SCHEMES):
-        raise ConfigError(f"tracking.tracking_uri: run_root {run_root} is in an object store, where no sqlite MLflow store can live: name an MLflow server")
-    return cfg.tracking_uri or f"sqlite:///{Path(run_root).resolve()}/mlflow.db"
+    """The recipe's tracking URI, else the pod's MLFLOW_TRACKING_URI (a cluster's MLflow server, set in the task's
+    environment or from a Flyte secret), else a sqlite store under a local run root (an object store holds no sqlite
+    database)."""
+    uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if not uri and run_root.startswith(URI_SCHEMES):
+        raise ConfigError(
+            f"tracking.tracking_uri: run_root {run_root} is in an object store, where no sqlite MLflow store can live: name an MLflow "
+            "server (or set MLFLOW_TRACKING_URI in the tasks' environment)"
+        )
+    return uri or f"sqlite:///{Path(run_root).resolve()}/mlflow.db"
 
 
 def _client(uri: str):
