@@ -167,9 +167,10 @@ def test_a_killed_rollout_actor_is_restarted_and_nothing_is_lost(cluster, start,
 
 
 def test_a_weight_push_that_times_out_fails_the_phase_clearly(cluster, start, tmp_path):
+    """A push timeout far below any acknowledgement: one or both actors miss it (which one answers first is a race)."""
     spec = spec_for(start, push_timeout_s=1e-4)
     started = time.monotonic()
-    with pytest.raises(AsyncPhaseError, match=r"weight push of version 2 not acknowledged by 2 of 2 rollout actors within async_phase\.push_timeout_s"):
+    with pytest.raises(AsyncPhaseError, match=r"weight push of version 2 not acknowledged by [12] of 2 rollout actors within async_phase\.push_timeout_s"):
         run_phase(spec, str(tmp_path / "ckpt"))
     assert time.monotonic() - started < 300
 
