@@ -107,16 +107,14 @@ def test_generate_shapes_stop_tokens_and_versions(engine):
     assert reasons == {FINISH_STOP, FINISH_LENGTH}
 
 
-def test_logprobs_match_trainer_recompute(engine, policies):
-    """SGLang's log-probs of its own samples equal TorchTrainer.logprobs on the same weights."""
-    engine.load_weights(policies[0], 0)
-    temperature = 0.7
-    out = engine.generate(PROMPTS, SamplingParams(n=4, temperature=temperature, max_new_tokens=10, stop_token_ids=(EOS,), seed=2))
+def trainer_logprob_gap(policy_dir: str, prompts: list, out: list, temperature: float, pad_id: int) -> float:
+    """The largest |engine - TorchTrainer| log-prob over the response tokens of `out` (the engine's generate output for
+    `prompts`), the trainer on the weights of `policy_dir`."""
     samples = [
         Sample(
             prompt_id=str(p),
             index=i,
-            prompt_tokens=PROMPTS[p],
+            prompt_tokens=prompts[p],
             response_tokens=g.tokens,
             rollout_logprobs=g.logprobs,
             loss_mask=[1] * len(g.tokens),
@@ -127,9 +125,17 @@ def test_logprobs_match_trainer_recompute(engine, policies):
         for p, gens in enumerate(out)
         for i, g in enumerate(gens)
     ]
-    batch = pack(samples, pad_id=0)
-    recomputed = TorchTrainer.from_hf(policies[0], TrainConfig()).logprobs(batch, temperature)  # [B, T]
-    gap = ((recomputed - batch.rollout_logprobs).abs() * batch.response_mask).max().item()
+    batch = pack(samples, pad_id=pad_id)
+    recomputed = TorchTrainer.from_hf(policy_dir, TrainConfig()).logprobs(batch, temperature)  # [B, T]
+    return ((recomputed - batch.rollout_logprobs).abs() * batch.response_mask).max().item()
+
+
+def test_logprobs_match_trainer_recompute(engine, policies):
+    """SGLang's log-probs of its own samples equal TorchTrainer.logprobs on the same weights."""
+    engine.load_weights(policies[0], 0)
+    temperature = 0.7
+    out = engine.generate(PROMPTS, SamplingParams(n=4, temperature=temperature, max_new_tokens=10, stop_token_ids=(EOS,), seed=2))
+    gap = trainer_logprob_gap(policies[0], PROMPTS, out, temperature, pad_id=0)
     assert gap < LOGPROB_TOLERANCE, f"max |SGLang - trainer| log-prob gap {gap:.2e}"
 
 

@@ -22,17 +22,14 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from miles_core.config import SGLangConfig, TrainConfig
+from miles_core.config import SGLangConfig
 from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engines.sglang import SGLangEngine
 from miles_core.rollout.engines.sglang_families import CPU_REFUSALS
 from miles_core.rollout.engines.sglang_server import SGLangError
-from miles_core.samples import Sample
-from miles_core.train.base import pack
-from miles_core.train.torch_backend import TorchTrainer
 from tests.families.conftest import FAMILIES, tiny_config
-from tests.integration.test_sglang import LOGPROB_TOLERANCE, sglang_env_python
+from tests.integration.test_sglang import LOGPROB_TOLERANCE, sglang_env_python, trainer_logprob_gap
 
 pytestmark = pytest.mark.integration
 
@@ -77,26 +74,10 @@ def test_family_is_served_and_its_logprobs_equal_the_trainers(arch, family_dir, 
         out = engine.generate(prompts, GREEDY)
     finally:
         engine.close()
-    samples = []
-    for p, (gen,) in enumerate(out):
+    for (gen,) in out:
         assert 1 <= len(gen.tokens) == len(gen.logprobs) <= GREEDY.max_new_tokens
         assert all(math.isfinite(lp) and lp <= 0 for lp in gen.logprobs)
-        samples.append(
-            Sample(
-                prompt_id=str(p),
-                index=0,
-                prompt_tokens=prompts[p],
-                response_tokens=gen.tokens,
-                rollout_logprobs=gen.logprobs,
-                loss_mask=[1] * len(gen.tokens),
-                finish_reason=gen.finish_reason,
-                weight_version=gen.weight_version,
-                label="",
-            )
-        )
-    batch = pack(samples, pad_id=tokenizer.pad_token_id)
-    trained = TorchTrainer.from_hf(policy, TrainConfig()).logprobs(batch, 1.0)  # [B, T]; greedy log-probs are softmax(logits)
-    gap = ((trained - batch.rollout_logprobs).abs() * batch.response_mask).max().item()
+    gap = trainer_logprob_gap(policy, prompts, out, 1.0, pad_id=tokenizer.pad_token_id)  # greedy log-probs are softmax(logits)
     record_property("max_logprob_gap", gap)  # in --junitxml reports: the families' table
     assert gap < LOGPROB_TOLERANCE, f"{arch}: max |SGLang - trainer| log-prob gap {gap:.2e}"
 
