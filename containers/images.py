@@ -87,10 +87,10 @@ sglang_image = _gpu_image(
 def image_for(cfg, stage: str) -> ImageSpec:
     """The image of a loop stage's node (`stage` as in tasks/metadata.py) under the recipe `cfg` (a RunConfig): SGLang's
     where the stage launches SGLang servers on GPUs (rollout, evaluate), the GPU platform's where it trains on GPUs,
-    else the CPU image (an async phase runs on CPU worker groups: rules.py)."""
-    if stage in ("rollout", "evaluate") and cfg.rollout.gpus():
+    else the CPU image. An async phase does both, every pod of its Ray cluster in the task's one image."""
+    if stage in ("rollout", "evaluate", "async") and cfg.rollout.gpus():
         return sglang_image
-    if stage == "train" and cfg.train.gpus_per_node:
+    if stage in ("train", "async") and cfg.train.gpus_per_node:
         return rocm_image if cfg.cluster.gpu_platform == "rocm" else train_image
     return cpu_image
 

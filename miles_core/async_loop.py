@@ -19,6 +19,10 @@ With partial rollout, generation runs in segments and a weight update lands betw
 the response continues under the new weights, and the older policy's tokens may be masked.
 Ray restarts a dead rollout actor (`max_restarts`, its `run` call retried); the buffer hands
 its leased prompts out again, so nothing drawn is lost or delivered twice.
+
+On a KubeRay cluster the actors run on the worker pods, not the task's: each fetches what it reads
+(policy, checkpoint, reference) and the trainer stores what it writes through `spec.transfer` (the
+object store), and each actor is pinned to its worker group (`placement`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import statistics
+import tempfile
 import threading
 import time
 
@@ -37,14 +42,17 @@ from miles_core.async_buffer import SampleBuffer, draw_of, phase_summary
 from miles_core.config import AlgoConfig, AsyncConfig, HooksConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, Prompt
 from miles_core.plugins import plugin
-from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engines import make_engine
+from miles_core.rollout.partial import generate_segmented
 from miles_core.samples import Sample
 from miles_core.step import StepFns, bind, groups_of, rollout_seed, score_batch, scorer_of, train_step
+from miles_core.storage import Transfer
 from miles_core.train.backends import load_trainer, make_trainer
 from miles_core.weights.publish import publish
 
 ROLLOUT_ACTOR = "miles-rollout-{}"  # Ray actor names (a test kills one mid-phase by name)
+# Ray custom resources that the worker groups of the phase's KubeRay cluster declare (tasks/async_phase.py), one per pod
+ROLLOUT_GROUP, TRAINER_GROUP = "miles_rollout", "miles_trainer"
 
 
 class AsyncPhaseError(RuntimeError):
@@ -66,12 +74,13 @@ class PhaseSpec:
     prompts: list[Prompt]
     state: DataState
     waiting: list[list[Sample]]  # scored groups left by the previous phase
-    ckpt_dir: str
+    ckpt_dir: str  # the trainer's checkpoint, policy and KL reference: folders or URIs, which `transfer` fetches
     policy_dir: str
     version: int  # weight version of policy_dir (== the checkpoint's weights)
     reference_dir: str
     first_iteration: int
     steps: int
+    transfer: Transfer = dataclasses.field(default_factory=Transfer)
 
 
 @dataclasses.dataclass
@@ -133,8 +142,9 @@ class RolloutWorker:
 
         torch.set_num_threads(spec.cfg.threads_per_actor)
         self.index, self.spec, self.buffer = index, spec, buffer
-        self.engine = make_engine(spec.rollout, spec.policy_dir, spec.version, num_threads=spec.cfg.threads_per_actor)
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.policy_dir)
+        policy_dir = spec.transfer.fetch(spec.policy_dir)
+        self.engine = make_engine(spec.rollout, policy_dir, spec.version, num_threads=spec.cfg.threads_per_actor)
+        self.tokenizer = AutoTokenizer.from_pretrained(policy_dir)
         self.fns = lease_fns(spec_fns(spec), spec.cfg)
         self.lock, self.update_waiting = threading.Lock(), threading.Event()
         latest = ray.get(buffer.register.remote(index))  # a restarted actor resumes from the newest weights
@@ -190,41 +200,6 @@ class RolloutWorker:
             yield
 
 
-def generate_segmented(
-    engine, prompts: list[Prompt], tokenizer, params: SamplingParams, *, generate_fn, rollout: RolloutConfig, cfg: AsyncConfig
-) -> tuple[list[Sample], dict]:
-    """`rollout.generate_fn` in segments (partial rollout): each engine call generates at most
-    cfg.partial_segment_tokens tokens, and a weight update may land between calls, so a response
-    continues under the newer weights. Each sample's weight_version is the oldest policy among the
-    tokens it trains on; with cfg.mask_stale_tokens older tokens get loss mask 0."""
-    params = dataclasses.replace(params, max_new_tokens=min(cfg.partial_segment_tokens, rollout.max_new_tokens))
-    samples, metrics = generate_fn(engine, prompts, tokenizer, params)
-    versions = [[s.weight_version] * len(s.response_tokens) for s in samples]  # per response token
-    for round_ in range(1, rollout.max_new_tokens):
-        open_ = [i for i, s in enumerate(samples) if s.finish_reason == "length" and len(s.response_tokens) < rollout.max_new_tokens]
-        if not open_:
-            break
-        left = rollout.max_new_tokens - len(samples[open_[0]].response_tokens)  # open samples share one length
-        segment = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, left), seed=params.seed + 7919 * round_)
-        generations = engine.generate([samples[i].prompt_tokens + samples[i].response_tokens for i in open_], segment)
-        for i, (g,) in zip(open_, generations):
-            s = samples[i]
-            s.response_tokens, s.rollout_logprobs = s.response_tokens + g.tokens, s.rollout_logprobs + g.logprobs
-            s.loss_mask, s.finish_reason = s.loss_mask + [1] * len(g.tokens), g.finish_reason
-            versions[i] += [g.weight_version] * len(g.tokens)
-    return [_versioned(s, v, cfg.mask_stale_tokens) for s, v in zip(samples, versions)], metrics
-
-
-def _versioned(sample: Sample, versions: list[int], mask_stale: bool) -> Sample:
-    if mask_stale:
-        sample.loss_mask = [m if v == versions[-1] else 0 for m, v in zip(sample.loss_mask, versions)]
-    trained = [v for v, m in zip(versions, sample.loss_mask) if m] or versions
-    sample.weight_version = min(trained)
-    if len(set(versions)) > 1:
-        sample.metadata = {**sample.metadata, "token_versions": versions}
-    return sample
-
-
 class AsyncTrainer:
     """A Ray actor holding the policy being optimised, with either backend (and the KL reference when
     algo.kl_coef > 0). It is one process: megatron runs in a world of one (gloo on CPU)."""
@@ -239,9 +214,10 @@ class AsyncTrainer:
                 f"the async phase trains in one process: train.tensor_parallel x pipeline_parallel x expert_parallel must be 1, got {parallel}"
             )
         self.spec, self.version, self.fns = spec, spec.version, spec_fns(spec)
-        self.trainer = load_trainer(spec.train, spec.ckpt_dir)
-        self.reference = make_trainer(spec.train, spec.reference_dir) if spec.algo.kl_coef > 0 else None
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.ckpt_dir)
+        self.ckpt_dir = spec.transfer.fetch(spec.ckpt_dir)
+        self.trainer = load_trainer(spec.train, self.ckpt_dir)
+        self.reference = make_trainer(spec.train, spec.transfer.fetch(spec.reference_dir)) if spec.algo.kl_coef > 0 else None
+        self.tokenizer = AutoTokenizer.from_pretrained(self.ckpt_dir)
 
     def run(self, buffer, workers: list) -> tuple[list[list[Sample]], list[dict[str, float]]]:
         spec, consumed, steps = self.spec, [], []
@@ -301,13 +277,18 @@ class AsyncTrainer:
         ray.get(done)
         return time.perf_counter() - started
 
-    def save(self, ckpt_dir: str, policy_dir: str | None, dtype: str) -> int:
-        """The checkpoint in the backend's format (with the tokenizer), then the after_save hook; with
-        policy_dir, the same weights published there as version spec.version + steps."""
-        self.trainer.save_atomically(ckpt_dir, self.spec.ckpt_dir)
-        self.fns.after_save(ckpt_dir, self.spec.first_iteration + self.spec.steps - 1)
-        if policy_dir is not None:
-            publish(self.trainer, ckpt_dir, policy_dir, dtype, self.version, self.spec.version)
+    def save(self, ckpt_out: str, policy_out: str | None, dtype: str) -> int:
+        """The checkpoint in the backend's format (with the tokenizer), then the after_save hook; with policy_out,
+        the same weights published as version spec.version + steps. Written on this actor's disk, then stored
+        (`spec.transfer`) to ckpt_out and policy_out."""
+        with tempfile.TemporaryDirectory(prefix="async-save-") as local:
+            ckpt_dir, policy_dir = f"{local}/checkpoint", f"{local}/policy"
+            self.trainer.save_atomically(ckpt_dir, self.ckpt_dir)
+            self.fns.after_save(ckpt_dir, self.spec.first_iteration + self.spec.steps - 1)
+            self.spec.transfer.store(ckpt_dir, ckpt_out)
+            if policy_out is not None:
+                publish(self.trainer, ckpt_dir, policy_dir, dtype, self.version, self.spec.version, source=ckpt_out)
+                self.spec.transfer.store(policy_dir, policy_out)
         return self.trainer.step
 
 
@@ -315,12 +296,21 @@ def spec_fns(spec: PhaseSpec) -> StepFns:
     return bind(rollout=spec.rollout, reward=spec.reward, algo=spec.algo, hooks=spec.hooks)
 
 
+def placement(group: str, gpus: int) -> dict:
+    """Ray options that pin an actor to its worker group, one actor per pod, with its GPUs: the group's custom
+    resource, which every pod of the group declares on a KubeRay cluster (tasks/async_phase.py). A Ray started in
+    the task's own process declares no groups: {} (every actor on that one node, on CPU)."""
+    import ray  # the async phase is the only part of the core that needs a Ray cluster
+
+    return {"resources": {group: 1}, "num_gpus": gpus} if group in ray.cluster_resources() else {}
+
+
 def run_phase(spec: PhaseSpec, ckpt_out: str, policy_out: str | None = None, dtype: str = "float32") -> PhaseResult:
     """Run spec.steps training steps on the Ray cluster this process is connected to.
 
-    Writes the trainer's checkpoint to ckpt_out (and, with policy_out, publishes its weights there
-    in `dtype`); returns the consumed batches, the buffer for the next phase and the metrics.
-    Every actor is gone when it returns or raises.
+    Stores the trainer's checkpoint at ckpt_out (and, with policy_out, its weights published there
+    in `dtype`), folders or URIs as `spec.transfer` takes them; returns the consumed batches, the
+    buffer for the next phase and the metrics. Every actor is gone when it returns or raises.
     """
     import ray  # the async phase is the only part of the core that needs a Ray cluster
 
@@ -329,14 +319,21 @@ def run_phase(spec: PhaseSpec, ckpt_out: str, policy_out: str | None = None, dty
     take_fn = plugin(spec.rollout, "rollout", "buffer_filter_fn")
     buffer = ray.remote(SampleBuffer).options(num_cpus=0).remote(spec.prompts, source, cfg.queue_size, cfg.stale_policy, take_fn, spec.waiting)
     spec_ref = ray.put(spec)  # held until the phase ends: a restarting actor reads its arguments again
-    worker_cls = ray.remote(RolloutWorker)
+    worker_cls, on_rollout_pod = ray.remote(RolloutWorker), placement(ROLLOUT_GROUP, spec.rollout.gpus())
     workers = [
         worker_cls.options(
-            name=ROLLOUT_ACTOR.format(i), num_cpus=cfg.worker_cpus, max_concurrency=2, max_restarts=cfg.max_restarts, max_task_retries=-1
+            name=ROLLOUT_ACTOR.format(i),
+            num_cpus=cfg.worker_cpus,
+            max_concurrency=2,
+            max_restarts=cfg.max_restarts,
+            max_task_retries=-1,
+            **on_rollout_pod,
         ).remote(i, spec_ref, buffer)
         for i in range(cfg.rollout_workers)
     ]
-    trainer = ray.remote(AsyncTrainer).options(num_cpus=cfg.trainer_cpus).remote(spec_ref)
+    on_trainer_pod = placement(TRAINER_GROUP, min(spec.train.gpus_per_node, 1))  # the phase trains in one process
+    trainer = ray.remote(AsyncTrainer).options(num_cpus=cfg.trainer_cpus, **on_trainer_pod).remote(spec_ref)
+    print(f"async phase: {cfg.rollout_workers} rollout actors and a trainer on {'their worker groups' if on_rollout_pod else 'one Ray node'}")
     try:
         runs = [w.run.remote() for w in workers]
         _wait_for([trainer.__ray_ready__.remote()], runs)

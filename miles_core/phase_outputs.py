@@ -1,11 +1,11 @@
-"""What an async phase leaves in its artifact directory, for the sync iterations and phases after it.
+"""What an async phase leaves, for the sync iterations and phases after it.
 
-* `checkpoint/`: the trainer's checkpoint (backend format); `policy/`: its weights published as
-  version start + K.
-* `batches/step-NNNN.parquet`: every consumed batch, scored, with weight and trainer versions.
-* `buffer.parquet`: scored groups generated but not consumed (absent when none are left).
-* `ledger.json`: where every prompt drawn in the phase ended (data state before and after, dropped
-  and filtered draws) and the phase's totals, readable without Flyte.
+* The trainer's checkpoint (backend format) and its weights published as version start + K, stored by the
+  trainer actor where the caller says (`run_phase`'s ckpt_out and policy_out).
+* Under `out`, on the caller's disk: `batches/step-NNNN.parquet`, every consumed batch, scored, with weight and
+  trainer versions; `batches/ledger.json`, where every prompt drawn in the phase ended (data state before and
+  after, dropped and filtered draws) and the phase's totals, readable without Flyte; `buffer.parquet`, scored
+  groups generated but not consumed (absent when none are left).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from miles_core.async_loop import PhaseResult, PhaseSpec, run_phase
 from miles_core.schemas import write_batch
 
 
-def run_phase_into(spec: PhaseSpec, out: Path, dtype: str, batch_shape: dict) -> PhaseResult:
-    """Run the phase and write its outputs under `out` (`batch_shape`: write_batch's checks: scored, reward range, vocabulary, group size)."""
-    result = run_phase(spec, str(out / "checkpoint"), str(out / "policy"), dtype)
+def run_phase_into(spec: PhaseSpec, out: Path, ckpt_out: str, policy_out: str, dtype: str, batch_shape: dict) -> PhaseResult:
+    """Run the phase and write its batches, ledger and buffer under `out` (`batch_shape`: write_batch's checks: scored,
+    reward range, vocabulary, group size)."""
+    result = run_phase(spec, ckpt_out, policy_out, dtype)
     for i, batch in enumerate(result.consumed):
         write_batch(batch, out / "batches" / f"step-{spec.first_iteration + i:04d}.parquet", **batch_shape)
     if result.buffer:
@@ -33,5 +34,5 @@ def run_phase_into(spec: PhaseSpec, out: Path, dtype: str, batch_shape: dict) ->
         "weight_versions": [spec.version, spec.version + spec.steps],
         "metrics": result.metrics,
     }
-    (out / "ledger.json").write_text(json.dumps(ledger, indent=1))
+    (out / "batches" / "ledger.json").write_text(json.dumps(ledger, indent=1))
     return result

@@ -4,6 +4,8 @@ Every artifact (checkpoint, rollout batch, published policy) gets a path derived
 the iteration and a digest of what produced it, so a re-run with the same inputs writes to the
 same place and a run with other inputs never overwrites it.  Writes go to a temporary sibling
 first and are renamed into place, so a killed task leaves no half-written artifact behind.
+A `Transfer` says how a process that runs away from its task (a Ray actor on another pod) reaches the
+artifacts a URI names.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import contextlib
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -68,3 +72,24 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def on_disk(path: str) -> str:
+    """A directory of this machine's disk, where it is."""
+    return path
+
+
+def copy_into(local: str, dest: str) -> None:
+    """A directory copied whole to `dest` on this disk (replacing what was there)."""
+    with atomic_dir(dest) as tmp:
+        shutil.copytree(local, tmp, dirs_exist_ok=True)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """How a process reaches artifacts named by a URI: `fetch(uri)` gives a local directory holding it, `store(local,
+    uri)` puts a local directory there. The default is this disk (paths as URIs); a task passes its object store's
+    (tasks/common.py `OBJECT_STORE`), so the async phase's actors read and write where the task would, from any pod."""
+
+    fetch: Callable[[str], str] = on_disk
+    store: Callable[[str, str], None] = copy_into

@@ -16,15 +16,15 @@ from miles_core.config.base import ConfigError
 from miles_core.config.model import URI_SCHEMES
 
 
-def tracking_uri(cfg: TrackingConfig, run_root: str) -> str:
-    """The recipe's tracking URI, else the pod's MLFLOW_TRACKING_URI (a cluster's MLflow server, set in the task's
-    environment or from a Flyte secret), else a sqlite store under a local run root (an object store holds no sqlite
-    database)."""
-    uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+def tracking_uri(cfg: TrackingConfig, run_root: str, secret: str = "") -> str:
+    """The recipe's tracking URI, else the pod's MLFLOW_TRACKING_URI (a cluster's MLflow server set in the task's
+    environment), else `secret` (the Flyte secret mlflow/tracking_uri, where the cluster gives it to the pod), else a
+    sqlite store under a local run root (an object store holds no sqlite database)."""
+    uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "").strip() or secret
     if not uri and run_root.startswith(URI_SCHEMES):
         raise ConfigError(
             f"tracking.tracking_uri: run_root {run_root} is in an object store, where no sqlite MLflow store can live: name an MLflow "
-            "server (or set MLFLOW_TRACKING_URI in the tasks' environment)"
+            "server (or set MLFLOW_TRACKING_URI in the tasks' environment, or the Flyte secret mlflow/tracking_uri)"
         )
     return uri or f"sqlite:///{Path(run_root).resolve()}/mlflow.db"
 

@@ -6,8 +6,9 @@ digest of what produced it (`artifact_uri`): an object-store URI on a cluster, a
 run. flytekit uploads it when the task returns; the consumer downloads it (`.download()`) and names it
 by its URI (`uri_of`), never by the path it was downloaded to. A cache hit returns the uploaded copy.
 
-The async phase (tasks/async_phase.py) still writes under a local run root and returns its outputs with
-`lasting_dir`/`lasting_file` (flytekit records the path): it runs in local executions only.
+The async phase's actors run on other pods than its task: they fetch and store through `OBJECT_STORE`
+(the same file access flytekit uses, configured from the pod's environment), and the task returns
+what the trainer actor stored as `stored_dir`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import miles_core
 from miles_core.config import config_hash
 from miles_core.data.source import DataState
 from miles_core.plugins import code_closure
-from miles_core.storage import artifact_name, digest
+from miles_core.storage import Transfer, artifact_name, copy_into, digest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the project builds its own models; never reach a hub
 transformers.utils.logging.disable_progress_bar()  # per-load bars drown the per-iteration lines
@@ -85,20 +86,20 @@ class Tracking:
     run_id: str
 
 
-def lasting_dir(path) -> FlyteDirectory:
-    return FlyteDirectory.from_source(str(path))
-
-
-def lasting_file(path) -> FlyteFile:
-    return FlyteFile.from_source(str(path))
-
-
 def new_artifact(root: str, stage: str, iteration: int, *inputs: object, suffix: str = "") -> tuple[Path, str]:
     """Where this task writes an artifact on its own disk (in its execution's working directory, the same for every
-    process of an Elastic task), and where it is uploaded to: <root>/<stage>/<iteration:04d>-<digest of inputs><suffix>,
-    the root an object-store URI or a local folder."""
+    process of an Elastic task), and where it is uploaded to: <root>/<stage>/<iteration:04d>-<digest of inputs><suffix>
+    under the run root (`run_root_of`)."""
     name = artifact_name(stage, iteration, *inputs, suffix=suffix)
-    return Path(flytekit.current_context().working_directory) / "artifacts" / name, f"{root.rstrip('/')}/{name}"
+    return Path(flytekit.current_context().working_directory) / "artifacts" / name, f"{run_root_of(root).rstrip('/')}/{name}"
+
+
+def run_root_of(root: str) -> str:
+    """Where a task's artifacts go: the recipe's run root when it is an object-store URI or the run is local; on a
+    cluster, where a local folder would be the pod's own disk (gone with the pod), the execution's raw-output prefix."""
+    if "://" in root or FlyteContextManager.current_context().execution_state.is_local_execution():
+        return root
+    return flytekit.current_context().raw_output_prefix
 
 
 def member(directory: FlyteDirectory, name: str) -> Path:
@@ -118,6 +119,33 @@ def uploaded_dir(local: str | os.PathLike, dest: str) -> FlyteDirectory:
 def uploaded_file(local: str | os.PathLike, dest: str) -> FlyteFile:
     """The file `local`, which flytekit uploads to `dest` when the task returns."""
     return FlyteFile(str(local), remote_path=dest)
+
+
+def stored_dir(uri: str) -> FlyteDirectory:
+    """A directory another process already put at `uri` (the async phase's trainer actor): returned as it is."""
+    return FlyteDirectory.from_source(uri)
+
+
+def fetched(uri: str) -> str:
+    """The directory at `uri` on this process's disk: downloaded into a fresh temporary folder (a local path: itself)."""
+    files = FlyteContextManager.current_context().file_access
+    if not files.is_remote(uri):
+        return uri
+    local = tempfile.mkdtemp(prefix="fetched-")
+    files.get_data(uri, local, is_multipart=True)
+    return local
+
+
+def stored(local: str, uri: str) -> None:
+    """The directory `local` uploaded to `uri` (a local path: copied there)."""
+    files = FlyteContextManager.current_context().file_access
+    if files.is_remote(uri):
+        files.put_data(local, uri, is_multipart=True)
+    else:
+        copy_into(local, uri)
+
+
+OBJECT_STORE = Transfer(fetch=fetched, store=stored)
 
 
 def uri_of(artifact: FlyteDirectory | FlyteFile) -> str:

@@ -6,7 +6,8 @@ object itself). And the pod that runs a task builds it again from its module and
 it was defined with, which decides how many processes torch elastic starts there. So a run calls `sized(task,
 nnodes, nproc, ...)`: the same task (name, cache version, image, resources) defined with the recipe's sizes, worker-
 group restarts and rendezvous timeouts (what the pod's torch elastic launch reads), whose resolver writes them into the
-pod's arguments and builds the same variant in the pod.
+pod's arguments and builds the same variant in the pod. `redefined` is that definition for any task made with
+`resizable_task` (the async phase's Ray cluster is sized the same way, tasks/async_phase.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from miles_core.config import ClusterConfig
 _TASK_ARGS: dict[str, dict] = {}  # "module.function" -> the @task arguments it was defined with
 
 
-def elastic_task(**task_args):
-    """@task(**task_args) for an Elastic task that `sized` can define again with other nnodes and nproc_per_node."""
+def resizable_task(**task_args):
+    """@task(**task_args) for a task that `redefined` can define again with another task_config (`sized`: an Elastic
+    task's nnodes and nproc_per_node)."""
 
     def define(fn):
         _TASK_ARGS[f"{fn.__module__}.{fn.__name__}"] = task_args
@@ -37,20 +39,25 @@ def elastic_task(**task_args):
 
 @functools.cache
 def sized(base, nnodes: int, nproc_per_node: int, max_restarts: int = 0, rdzv_timeout_s: int = 900, rdzv_join_timeout_s: int = 900):
-    """`base` (defined by `elastic_task`) with nnodes x nproc_per_node processes, `max_restarts` restarts of a failed worker
+    """`base` (defined by `resizable_task`) with nnodes x nproc_per_node processes, `max_restarts` restarts of a failed worker
     group, and the rendezvous timeouts (seconds) of its nodes; everything else as defined."""
-    fn = base.task_function
-    args = _TASK_ARGS[f"{fn.__module__}.{fn.__name__}"]
     config = dataclasses.replace(
-        args["task_config"],
+        base.task_config,
         nnodes=nnodes,
         nproc_per_node=nproc_per_node,
         max_restarts=max_restarts,
         rdzv_configs={"timeout": rdzv_timeout_s, "join_timeout": rdzv_join_timeout_s},
     )
+    return redefined(base, task_config=config, task_resolver=elastic_resolver)
+
+
+def redefined(base, **changes):
+    """The task `base` (defined by `resizable_task`) defined again with `changes` to its @task arguments."""
+    fn = base.task_function
+    args = _TASK_ARGS[f"{fn.__module__}.{fn.__name__}"]
     outside = FlyteContextManager.current_context().with_compilation_state(None)  # defined inside a workflow, it would take its resolver
     with FlyteContextManager.with_context(outside):
-        variant = task(**{**args, "task_config": config, "task_resolver": elastic_resolver})(fn)
+        variant = task(**{**args, **changes})(fn)
     # flytekit prefixes a task's name with the module of the nearest module-level frame that created it: here the
     # caller's (pytest's or pyflyte's entry point), not the task's own. The variant takes the base task's, so its
     # name (what the spec registers and the local cache keys on) is the base task's, wherever it is built.

@@ -47,7 +47,7 @@ from tasks.common import (
     uploaded_file,
     uri_of,
 )
-from tasks.elastic import elastic, elastic_task
+from tasks.elastic import elastic, resizable_task
 from tasks.metadata import DEFAULTS, cached, declared
 from tasks.retry import recoverable
 
@@ -71,7 +71,7 @@ def _prompts(dataset_file, data: DataConfig):
     return load_prompts(dataset_file.download(), data.input_key, data.label_key, data.metadata_key)
 
 
-@elastic_task(**cached(cache_version(TrainConfig, AlgoConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("convert"))
+@resizable_task(**cached(cache_version(TrainConfig, AlgoConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("convert"))
 @recoverable
 def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Checkpoint:
     """Base HF checkpoint -> the backend's checkpoint format (megatron: torch_dist, reshardable), and a fresh critic for PPO."""
@@ -127,7 +127,7 @@ def score(
     return BatchResult(batch=uploaded_file(out, dest), metrics=metrics)
 
 
-@elastic_task(
+@resizable_task(
     **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, module=__name__)),
     container_image=cpu_image,
     task_config=Elastic(nnodes=1, nproc_per_node=TrainConfig().nproc_per_node, start_method="fork"),  # a run's: train_task(cfg)
@@ -159,7 +159,7 @@ def train(
     return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics)
 
 
-@elastic_task(**cached(cache_version(PublishConfig, TrainConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("publish"))
+@resizable_task(**cached(cache_version(PublishConfig, TrainConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("publish"))
 @recoverable
 def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent: Policy, root: str) -> Policy:
     """Export the checkpoint (any parallel sizes) as the next policy version (HF safetensors + lineage manifest)."""

@@ -18,7 +18,7 @@ from miles_core.config import RunConfig, config_hash, flatten
 from miles_core.config.model import URI_SCHEMES
 from miles_core.models.source import SOURCE_FILE, read_source
 from miles_core.weights.publish import read_manifest
-from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking, member, uri_of
+from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking, member, run_root_of, uri_of
 from tasks.metadata import SMALL, declared
 from tasks.retry import recoverable
 
@@ -32,16 +32,26 @@ class Report:
     tracking: Tracking
 
 
+def _secret_server() -> str:
+    """The MLflow server named by the Flyte secret mlflow/tracking_uri (an environment variable or a file that the cluster
+    mounts into the pod: flytekit's secrets), '' where there is none."""
+    try:
+        return flytekit.current_context().secrets.get("mlflow", "tracking_uri")
+    except ValueError:
+        return ""
+
+
 @task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
 @recoverable
 def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, evaluation: dict[str, float]) -> Tracking:
-    uri = tracking.tracking_uri(cfg.tracking, cfg.run_root)
+    root = run_root_of(cfg.run_root)  # on a cluster, never the pod's own disk
+    uri = tracking.tracking_uri(cfg.tracking, root, _secret_server())
     execution = flytekit.current_context().execution_id
     source = read_source(member(base.dir, SOURCE_FILE).parent)
     run_id = tracking.start_run(
         uri,
         cfg.tracking.experiment or cfg.name,
-        None if cfg.run_root.startswith(URI_SCHEMES) else str(Path(cfg.run_root) / "mlartifacts"),  # an object-store root: the server's
+        None if root.startswith(URI_SCHEMES) else str(Path(root) / "mlartifacts"),  # an object-store root: the server's
         run_name=f"{cfg.name}-{config_hash(cfg)[:6]}",
         params=flatten(cfg),
         tags={

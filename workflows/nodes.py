@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from miles_core.config import RunConfig
 from miles_core.data.source import DataState
-from tasks.async_phase import async_phase
+from tasks.async_phase import on_ray
 from tasks.common import Dataset, Policy
 from tasks.elastic import elastic
 from tasks.metadata import stage_overrides
@@ -73,8 +73,8 @@ def evaluated(cfg: RunConfig, policy: Policy, dataset: Dataset, code: str):
 
 
 def phased(cfg: RunConfig, ckpt, policy, reference: Policy, dataset: Dataset, state, buffer, first_iteration: int, steps: int, code: str):
-    """An async phase of `steps` training steps on Ray (its head and worker groups: tasks/async_phase.py)."""
-    node = async_phase(
+    """An async phase of `steps` training steps on the recipe's Ray cluster (its head and worker groups: tasks/async_phase.py)."""
+    node = on_ray(cfg)(
         cfg=cfg.async_phase,
         rollout=cfg.rollout,
         data=cfg.data,

@@ -1,6 +1,7 @@
 """The RL workflow: base model (admitted) -> SFT -> convert -> [rollout -> score -> train -> publish] x N.
 
     pyflyte run workflows/rl.py rl --cfg "$(python -m miles_core.config recipes/tiny_arith_cpu.yaml)"
+    pyflyte run workflows/rl.py rl_recipe --recipe s3://bucket/my_recipe.yaml --overrides '["iterations=40"]'
 
 Composition only: every stage is a cached task in tasks/, so a re-run with the same config resumes
 after the last completed task, and editing one config section re-runs only what depends on it.
@@ -23,7 +24,7 @@ from miles_core.loop_plan import block_plan, phase_plan, plan_blocks
 from miles_core.plugins import STAGE_PLUGPOINTS, plugin_code
 from tasks.common import Checkpoint, Dataset, Policy, Tracking
 from tasks.metadata import BUILDER
-from tasks.prepare import admit_model, base_model, make_data
+from tasks.prepare import admit_model, base_model, make_data, read_recipe
 from tasks.sft import sft
 from tasks.tracking import Report, finish_run, log_iteration, log_phase, start_run
 from workflows.nodes import converted, evaluated, phased, published, rolled_out, scored, trained_on
@@ -107,3 +108,10 @@ def rl(cfg: RunConfig = RunConfig()) -> Report:  # noqa: B008 (the workflow's de
     run = start_run(cfg=cfg, dataset=dataset, base=base, start=start, evaluation=before)
     final = rl_loop(cfg=cfg, start=start, dataset=dataset, run=run)
     return finish_run(run=run, before=before, after=final.evaluation, policy=final.policy, root=cfg.run_root)
+
+
+@workflow
+def rl_recipe(recipe: FlyteFile, overrides: list[str] = []) -> Report:  # noqa: B006 (the workflow's default input)
+    """`rl` on a recipe file (an object-store URI, or a local file pyflyte uploads) with `key=value` overrides, read and
+    checked by its own task first (tasks/prepare.py `read_recipe`)."""
+    return rl(cfg=read_recipe(recipe=recipe, overrides=overrides))

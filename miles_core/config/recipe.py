@@ -82,9 +82,9 @@ def _coerce(kind, value, key_path: str):
     return kind(value)
 
 
-def _read_values(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """A recipe's values; `extends: other.yaml` (relative to the recipe) is read first and overridden.
-    An empty file (or one of comments only, or `{}`) is refused: it would silently run the defaults."""
+def _read_values(path: Path, seen: tuple[Path, ...] = (), library: Path | None = None) -> dict:
+    """A recipe's values; `extends: other.yaml` (relative to the recipe, else to `library`) is read first and
+    overridden. An empty file (or one of comments only, or `{}`) is refused: it would silently run the defaults."""
     values = read_yaml(path)
     if values is None or values == {}:
         raise ConfigError(f"{path.name} is empty: write the keys it overrides (at least `name:`), or `extends: other.yaml`")
@@ -94,10 +94,12 @@ def _read_values(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not isinstance(extends, str) or not extends or Path(extends).is_absolute():
         raise ConfigError(f"extends: expected a recipe path relative to {path.name}, got {short(extends)}")
     base = (path.parent / extends).resolve()
+    if library is not None and not base.exists():
+        base = (library / extends).resolve()
     if base in (*seen, path):
         raise ConfigError(f"extends: {base} is extended in a cycle")
     try:
-        return _merge(_read_values(base, (*seen, path)), values)
+        return _merge(_read_values(base, (*seen, path), library), values)
     except FileNotFoundError:
         raise ConfigError(f"extends: recipe file {base} not found") from None
 
@@ -109,12 +111,14 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-def load_recipe(path: str | Path, overrides: dict | None = None, resolve_root: bool = True) -> RunConfig:
-    """Read a YAML recipe (overrides of the defaults), checked key by key; errors name the file. A local run root is
-    made absolute (against the working directory) unless `resolve_root` is false; an object-store URI stays as written."""
+def load_recipe(path: str | Path, overrides: dict | None = None, resolve_root: bool = True, library: Path | None = None) -> RunConfig:
+    """Read a YAML recipe (overrides of the defaults), checked key by key; errors name the file. A recipe it extends
+    that is not beside it is looked up in `library` (a recipe file downloaded alone: the recipes the image holds). A
+    local run root is made absolute (against the working directory) unless `resolve_root` is false; an object-store
+    URI stays as written."""
     path = Path(path)
     try:
-        values = _read_values(path.resolve())
+        values = _read_values(path.resolve(), library=library)
         for key, value in _expand_seed(overrides or {}).items():
             _set_dotted(values, key, value)
         cfg = _build(RunConfig, values, "")

@@ -5,7 +5,7 @@ checks (ranges, finiteness, one key against its neighbour's bound) live in its d
 the rules that need two sections, or two settings whose combination is wrong although each is
 right: rollout log-probs with IS corrections, over-sampling without dynamic sampling, a backend
 with a precision or parallel size it does not read, parallel sizes with the model's shape,
-async phases with what they do not run (a critic, GPUs), a GPU type without GPUs.
+async phases with what they do not run (a critic), a GPU type without GPUs.
 """
 
 from __future__ import annotations
@@ -127,15 +127,6 @@ RULES: tuple[Rule, ...] = (
         _async,
         lambda c: c.algo.advantage != "ppo",
         lambda c: "async phases do not train a critic yet: use a critic-free estimator or schedule: sync",
-    ),
-    Rule(
-        "async_phase.schedule",
-        _async,
-        lambda c: not c.train.gpus_per_node and not c.rollout.gpus(),
-        lambda c: (
-            "async phases run on the Ray cluster's CPU worker groups (tasks/async_phase.py), but this recipe asks for GPUs "
-            f"(train.gpus_per_node: {c.train.gpus_per_node}, rollout GPUs: {c.rollout.gpus()}): use schedule: sync"
-        ),
     ),
     Rule(
         "async_phase.rollout_workers",

@@ -30,18 +30,14 @@ def ray_processes_of(session: int) -> list[int]:
     return [int(pid) for pid, sid, *_ in (line.split() for line in out if line.strip()) if int(sid) == session]
 
 
-def kill_mid_second_phase(root, home) -> None:
-    proc = subprocess.Popen(
-        workflow_command(RECIPE, root, *OVERRIDES),
-        cwd=REPO,
-        env=workflow_env(home),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+def kill_mid_second_phase(root, home, log) -> None:
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            workflow_command(RECIPE, root, *OVERRIDES), cwd=REPO, env=workflow_env(home), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + 600
-    # the second phase has begun: its output's temporary folder exists (the first phase is complete by then)
-    while not list(root.glob("async/.0003-*.tmp-*")):
+    # the second phase has begun (the first is complete by then)
+    while "async phase: steps 4-5 starting" not in log.read_text():
         assert proc.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.2)  # polling interval, not synchronisation
@@ -49,12 +45,12 @@ def kill_mid_second_phase(root, home) -> None:
     proc.wait()
     for pid in ray_processes_of(proc.pid):
         os.kill(pid, signal.SIGKILL)
-    assert not list(root.glob("async/0003-*")), "the second phase finished before the kill"
+    assert not list(root.glob("async/0003-*/checkpoint")), "the second phase finished before the kill"
 
 
 def test_async_phases_resume_after_a_kill_without_losing_or_repeating_a_sample(tmp_path):
     root, home = tmp_path / "runs", tmp_path / "home"
-    kill_mid_second_phase(root, home)
+    kill_mid_second_phase(root, home, tmp_path / "killed.log")
     (first_phase,) = root.glob("async/0001-*")
     first_batches = sorted(p.name for p in (first_phase / "batches").iterdir())
 
@@ -71,7 +67,7 @@ def test_async_phases_resume_after_a_kill_without_losing_or_repeating_a_sample(t
     assert len(consumed) == 4 * cfg.rollout.prompts_per_step * cfg.rollout.n_samples
     for s in consumed:
         assert s.weight_version >= s.metadata["trainer_version"] - cfg.async_phase.max_staleness
-    ledgers = [json.loads((p / "ledger.json").read_text()) for p in phases]
+    ledgers = [json.loads((p / "batches" / "ledger.json").read_text()) for p in phases]
     left = read_batch(phases[-1] / "buffer.parquet", scored=True) if (phases[-1] / "buffer.parquet").exists() else []
     ended = Counter([f"{draw_of(s)}/{s.index}" for s in consumed + left] + [d for ledger in ledgers for d in ledger["dropped"]])
     start, end = (ledger["epoch"] * cfg.data.train_size + ledger["offset"] for ledger in (ledgers[0]["state_before"], ledgers[-1]["state_after"]))

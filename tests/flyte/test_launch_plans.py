@@ -32,9 +32,10 @@ def test_pyflyte_registers_one_launch_plan_per_recipe(tmp_path):
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     registered = sorted(line.split("Launch Plan: ")[1].split()[0] for line in out.stdout.splitlines() if "Launch Plan: " in line)
     expected = sorted(".".join(("rl", *p.relative_to(REPO / "recipes").with_suffix("").parts)) for p in RECIPES)
-    assert [name for name in registered if name != "workflows.rl.rl"] == expected  # and the workflow's default launch plan
+    defaults = ["workflows.rl.rl", "workflows.rl.rl_recipe"]  # each workflow's default launch plan
+    assert [name for name in registered if name not in defaults] == expected and set(defaults) <= set(registered)
     assert "rl.smoke" in expected and "rl.tiny.qwen3_5_27b" in expected
-    assert "Workflow: workflows.rl.rl" in out.stdout
+    assert "Workflow: workflows.rl.rl" in out.stdout and "Workflow: workflows.rl.rl_recipe" in out.stdout
 
 
 def fixed_config(plan) -> RunConfig:

@@ -8,8 +8,9 @@ Emulated here: flytepropeller (nodes run one at a time in dependency order; inpu
 attribute paths and collections as the compiled bindings say; a `@dynamic` node's futures.pb run the same way, recursively;
 retries of recoverable failures), datacatalog (a cached task's outputs stored under its id, cache version and the hash of
 its input literal map), and the pod (its own process, an empty working directory, its own HOME and TMPDIR, the image's code
-read-only on PYTHONPATH, under bubblewrap a filesystem without this machine's temporary folders, home or checkouts, and a
-disk that is gone when the pod ends).
+read-only on PYTHONPATH, under bubblewrap a filesystem without this machine's temporary folders, home or checkouts and with
+a /tmp of its own, and a disk that is gone when the pod ends). A Ray task's pod starts Ray in itself, as the Ray plugin
+does outside a KubeRay cluster: its actors run in the pod.
 
 Not emulated: sub-workflow and branch nodes (refused by name), nodes running side by side, resources, timeouts and
 interruptible (they are checked in the compiled spec), a multi-node Elastic job (one pod runs all its processes).
@@ -51,6 +52,7 @@ CODE_PACKAGES = ("miles_core", "tasks", "workflows", "containers")  # what the i
 CODE_FILES = ("pyproject.toml", "requirements.lock")  # the image holds the repository's files; containers/images.py reads these
 BUCKET = "miles-pods"
 PROJECT, DOMAIN, VERSION = "miles", "development", "pods"
+CONFINED = shutil.which("bwrap") is not None  # pods under bubblewrap (see Cluster._confined)
 PASSED_ENV = ("OMP_NUM_THREADS", "LANG", "TRANSFORMERS_VERBOSITY", "TOKENIZERS_PARALLELISM")  # what the image's env would set
 
 
@@ -240,11 +242,12 @@ class Cluster:
         """The pod's view of the filesystem (bubblewrap): the system, the image's Python and packages and the project's code
         read-only, its own disk writable, and nothing of this machine's temporary folders, home or checkouts, so a path the
         submitter or another pod wrote is simply not there. The network is shared: the object store is on loopback."""
-        if shutil.which("bwrap") is None:  # `make setup` installs it; without it a pod sees the machine's files, its disk still goes
+        if not CONFINED:  # `make setup` installs bubblewrap; without it a pod sees the machine's files, its disk still goes
             return args
         hidden = {tempfile.gettempdir(), os.path.expanduser("~"), f"/{REPO.parts[1]}"}
         view = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         view += [arg for path in sorted(hidden) for arg in ("--tmpfs", path)]
+        view += ["--bind", str(pod / "tmp"), "/tmp"]  # the pod's own /tmp (short paths: Ray puts its sockets there)
         view += [arg for path in (sys.base_prefix, VENV, self.code) for arg in ("--ro-bind", str(path), str(path))]
         return ["bwrap", *view, "--bind", str(pod), str(pod), "--die-with-parent", "--", *args]
 
@@ -252,7 +255,7 @@ class Cluster:
         return {
             "PATH": f"{VENV / 'bin'}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(pod / "home"),
-            "TMPDIR": str(pod / "tmp"),
+            "TMPDIR": "/tmp" if CONFINED else str(pod / "tmp"),
             "PYTHONPATH": str(self.code),
             "PYTHONDONTWRITEBYTECODE": "1",  # the image's code is read-only
             **{k: os.environ[k] for k in PASSED_ENV if k in os.environ},

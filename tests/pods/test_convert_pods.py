@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from miles_core.config.recipe import load_recipe
 from tasks.common import Checkpoint, Policy
 from tests.pods import leaky
-from tests.pods.emulator import REPO, PodFailed
+from tests.pods.emulator import CONFINED, REPO, PodFailed
 from workflows.convert import convert
 
 pytestmark = pytest.mark.pods
@@ -96,7 +96,16 @@ def test_a_pod_sees_an_empty_directory_its_own_home_and_the_images_code(cluster)
         view = TypeEngine.to_python_value(ctx, with_view.outputs.literals["o0"], dict[str, str])
     assert view["cwd_entries"] == ""
     pod = Path(view["cwd"]).parent
-    assert Path(view["home"]).parent == pod and Path(view["tmpdir"]).parent == pod
+    assert Path(view["home"]).parent == pod and view["tmpdir"] == ("/tmp" if CONFINED else str(pod / "tmp"))  # /tmp: the pod's own
     assert not pod.exists()  # the pod's disk ended with it
     assert Path(view["code"]).is_relative_to(cluster.code)  # the image's copy, not the checkout
     assert view["probe_exists"] == "False"  # the submitter's checkout is not on a pod's disk
+
+
+def test_a_local_run_root_sends_the_artifacts_under_the_executions_raw_output_prefix(store, cluster, tmp_path):
+    """On a cluster a folder as run root would be a pod's own disk: the tasks write under the raw-output prefix instead."""
+    execution = cluster.run(convert, cfg=load_recipe("recipes/smoke.yaml", {"run_root": str(tmp_path / "runs"), "publish.dtype": "float16"}))
+    policy, exported = downloaded(store, execution.outputs.literals["exported"], Policy, tmp_path / "exported")
+    assert policy.dir.remote_source.startswith(store.uri("raw", execution.name))
+    assert AutoModelForCausalLM.from_pretrained(exported).config.model_type == "qwen2"
+    assert not (tmp_path / "runs").exists()

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from miles_core.async_loop import generate_segmented
 from miles_core.config import AsyncConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import Prompt
 from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.engines.torch_engine import TorchEngine
+from miles_core.rollout.partial import generate_segmented
 from miles_core.step import generate, sampling_params
 from miles_core.train.base import pack
 from miles_core.train.torch_backend import TorchTrainer

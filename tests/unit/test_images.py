@@ -69,14 +69,15 @@ def test_registry_and_base_images_come_from_the_environment():
 
 def test_each_stage_gets_the_image_it_needs():
     cfg = load_recipe(REPO / "recipes" / "gpt_oss_20b.yaml")  # SGLang servers and training on GPUs
-    assert [images.image_for(cfg, s) for s in ("rollout", "evaluate", "train", "score", "convert", "publish")] == [
+    assert [images.image_for(cfg, s) for s in ("rollout", "evaluate", "train", "async", "score", "convert", "publish")] == [
         images.sglang_image,
         images.sglang_image,
         images.train_image,
+        images.sglang_image,  # an async phase's pods: SGLang servers and a trainer, one image (the SGLang one is built on the CUDA one)
         *[images.cpu_image] * 3,
     ]
     rocm = load_recipe(REPO / "recipes" / "gpt_oss_20b.yaml", {"cluster.gpu_platform": "rocm", "rollout.sglang.urls": "http://sglang:30000"})
-    assert (images.image_for(rocm, "train"), images.image_for(rocm, "rollout")) == (images.rocm_image, images.cpu_image)
+    assert [images.image_for(rocm, s) for s in ("train", "rollout", "async")] == [images.rocm_image, images.cpu_image, images.rocm_image]
     tiny = load_recipe(REPO / "recipes" / "tiny_arith_cpu.yaml")
     assert {images.image_for(tiny, s) for s in ("rollout", "train", "evaluate")} == {images.cpu_image}
 

@@ -82,12 +82,6 @@ CASES = [
     ),
     ("async_critic", {**ASYNC, "algo.advantage": "ppo"}, "async_phase.schedule: async phases do not train a critic yet", {"algo.advantage": "grpo"}),
     (
-        "async_gpus",
-        {**ASYNC, "train.gpus_per_node": 2},
-        "async_phase.schedule: async phases run on the Ray cluster's CPU worker groups (tasks/async_phase.py), but this recipe asks for GPUs",
-        {"async_phase.schedule": "sync"},
-    ),
-    (
         "async_attached",
         {**ASYNC, "rollout.engine": "sglang", "rollout.sglang.urls": "http://h:1"},
         "async_phase.rollout_workers: attached SGLang servers",

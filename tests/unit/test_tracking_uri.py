@@ -1,4 +1,5 @@
-"""Where a run's MLflow tracking goes: the recipe's key, else the pod's MLFLOW_TRACKING_URI, else a local sqlite store."""
+"""Where a run's MLflow tracking goes: the recipe's key, else the pod's MLFLOW_TRACKING_URI, else the Flyte secret
+mlflow/tracking_uri, else a local sqlite store."""
 
 import pytest
 
@@ -25,3 +26,17 @@ def test_an_object_store_root_without_a_server_is_refused_by_key(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(ConfigError, match=r"tracking.tracking_uri: run_root s3://bucket/runs is in an object store, .*MLFLOW_TRACKING_URI"):
         tracking_uri(TrackingConfig(), "s3://bucket/runs")
+
+
+def test_a_flyte_secret_names_the_server_when_the_environment_does_not(monkeypatch):
+    """The secret mlflow/tracking_uri as flytekit's secrets manager finds it in a pod (_FSEC_MLFLOW_TRACKING_URI; or its file)."""
+    from tasks.tracking import _secret_server
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert _secret_server() == ""
+    monkeypatch.setenv("_FSEC_MLFLOW_TRACKING_URI", " http://secret-mlflow:5000\n")
+    secret = _secret_server()
+    assert secret == "http://secret-mlflow:5000"
+    assert tracking_uri(TrackingConfig(), "s3://bucket/runs", secret) == secret
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env-mlflow:5000")
+    assert tracking_uri(TrackingConfig(), "s3://bucket/runs", secret) == "http://env-mlflow:5000"
