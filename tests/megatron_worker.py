@@ -4,7 +4,7 @@ torchrun) and prints one JSON line; tests/*/test_megatron*.py and test_checkpoin
     python tests/megatron_worker.py convert ROOT ARCH           HF -> torch_dist -> HF, logits vs HF
     torchrun --nproc_per_node N tests/megatron_worker.py step ROOT CKPT TP EP OUT
                                                                one GRPO step from CKPT, saved to OUT
-    torchrun ... tests/megatron_worker.py resume ROOT CKPT OUT  two steps straight vs a save and load between them
+    torchrun ... tests/megatron_worker.py resume ROOT CKPT OUT [DTYPE]  two steps straight vs a save and load between them
     python tests/megatron_worker.py loss ROOT CKPT             the loss of CKPT's weights on the batch
     python tests/megatron_worker.py replay ROOT CKPT            record MoE routing, replay it
     python tests/megatron_worker.py uncompat ROOT CKPT          the same path without the CPU layer
@@ -63,8 +63,9 @@ def samples(n: int = 8) -> list[Sample]:
     return out
 
 
-def train_cfg(tp: int = 1, ep: int = 1, world: int = 1, pp: int = 1) -> TrainConfig:
-    return TrainConfig(backend="megatron", lr=1e-2, micro_batch_size=4, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, nproc_per_node=world)
+def train_cfg(tp: int = 1, ep: int = 1, world: int = 1, pp: int = 1, dtype: str = "float32") -> TrainConfig:
+    parallel = dict(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, nproc_per_node=world)
+    return TrainConfig(backend="megatron", megatron_dtype=dtype, lr=1e-2, micro_batch_size=4, **parallel)
 
 
 def batch_loss(trainer) -> float:
@@ -236,13 +237,13 @@ def step(ckpt: str, tp: int, ep: int, out: str, pp: int = 1) -> dict:
     }
 
 
-def resume(ckpt: str, out: str) -> dict:
+def resume(ckpt: str, out: str, dtype: str = "float32") -> dict:
     """Two steps in one go, against one step, a save with optimizer state, a load and one more step."""
     import torch.distributed as dist
 
     from miles_core.train.megatron.trainer import MegatronTrainer
 
-    cfg = train_cfg(world=int(__import__("os").environ.get("WORLD_SIZE", "1")))
+    cfg = train_cfg(world=int(__import__("os").environ.get("WORLD_SIZE", "1")), dtype=dtype)
     straight = MegatronTrainer.load(ckpt, cfg)
     for _ in range(2):
         optimize(straight, samples(), FNS, 0)

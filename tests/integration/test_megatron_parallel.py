@@ -1,7 +1,7 @@
-"""The megatron backend on gloo with real megatron-core: TP/PP/EP parity, resharding, MoE, router replay,
-one RL step on each MLA / DeepSeek-style MoE family and gpt-oss (DeepSeek-V3 and gpt-oss at EP=2 and PP=2,
-Kimi-K2.5, GLM-4.5, GLM-4.7-Flash, DeepSeek-V2), and the CPU compatibility layer (every redirection it
-installs fires on these paths, none is missing).
+"""The megatron backend on gloo with real megatron-core: TP/PP/EP parity, resharding, resuming (fp32, and bf16 with
+biases), MoE, router replay, one RL step on each MLA / DeepSeek-style MoE family and gpt-oss (DeepSeek-V3 and
+gpt-oss at EP=2 and PP=2, Kimi-K2.5, GLM-4.5, GLM-4.7-Flash, DeepSeek-V2), and the CPU compatibility layer (every
+redirection it installs fires on these paths, none is missing).
 
 One module-scoped set of runs from converted tiny checkpoints; each test reads its part.
 """
@@ -37,6 +37,7 @@ def parallel_runs(root: Path) -> dict:
         "pp2": run_worker("step", root, root / "llama/mg", 1, 1, root / "pp2", 2, nproc=2),
         "ep2": run_worker("step", root, root / "qwen3_moe/mg", 1, 2, root / "ep2", nproc=2),
         "resume": run_worker("resume", root, root / "qwen2/mg", root / "resumed", nproc=2),
+        "resume_bf16_biased": run_worker("resume", root, root / "gpt_oss/mg", root / "resumed-bf16", "bfloat16", nproc=2),
         "replay": run_worker("replay", root, root / "qwen3_moe/mg"),
         "uncompat": run_worker("uncompat", root, root / "qwen2/mg"),
     }
@@ -58,9 +59,11 @@ def test_tp1_and_tp2_train_the_same_from_one_checkpoint(runs):
     assert tp1["loss_after"] < tp1["loss_before"] - 0.01  # the step changed the weights
 
 
-def test_a_resumed_run_continues_exactly_with_its_optimizer_state(runs):
-    """DP=2 (each rank holds half of Adam's state): step, save, load, step equals two steps in a row."""
-    resume = runs["resume"]
+@pytest.mark.parametrize("run", ["resume", "resume_bf16_biased"])
+def test_a_resumed_run_continues_exactly_with_its_optimizer_state(runs, run):
+    """DP=2 (each rank holds half of Adam's state): step, save, load, step equals two steps in a row; Qwen2 in fp32,
+    and gpt-oss in bf16, whose fp32 norms and bf16 biases share a parameter group (model.py's re-indexing)."""
+    resume = runs[run]
     assert resume["steps"] == [2, 2]
     assert resume["resumed"] == resume["straight"]
 
