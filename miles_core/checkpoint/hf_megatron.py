@@ -1,4 +1,4 @@
-"""HF <-> megatron-core GPTModel weight mapping for every family in `arch.ARCHS` (dense GQA, Qwen3-MoE, MLA, DeepSeek MoE).
+"""HF <-> megatron-core GPTModel weight mapping for every family in `arch.ARCHS` (dense GQA, Qwen3-MoE, MLA, DeepSeek MoE, gpt-oss).
 
 Pure tensor code (no megatron import): an HF state dict as stored in `model.safetensors` maps to
 the state dict of an unsharded (TP=PP=EP=1) GPTModel built with the local layer spec, and back.
@@ -14,12 +14,12 @@ joined (HF -> megatron) and split (megatron -> HF), so both directions read the 
   kv_a_proj_with_mqa/kv_b -> linear_kv_down/up_proj and their norms; megatron-core splits heads into
   no-RoPE and RoPE parts in HF's order and de-interleaves the RoPE part as HF's `rope_interleave` does.
 * gate/up projections (SwiGLU) fuse into `linear_fc1` as [gate; up]; experts and shared experts likewise.
+  A sigmoid router's `e_score_correction_bias` is megatron's `router.expert_bias` buffer (fp32 in both, and
+  in every published dtype: `keeps_fp32`).
 * gpt-oss stacks its experts (`experts.gate_up_proj` [experts, hidden, 2 * ffn], `x @ W` layout) with gate and up
   interleaved (gate columns even, up columns odd): each expert's slice, transposed and de-interleaved, is its
   `linear_fc1` [gate; up] (biases likewise), `down_proj` transposed its `linear_fc2`.  Its output projection, router
   and experts carry biases, and its attention sinks are the core attention's learnable `softmax_offset`.
-  A sigmoid router's `e_score_correction_bias` is megatron's `router.expert_bias` buffer (fp32 in both, and
-  in every published dtype: `keeps_fp32`).
 * The vocabulary is padded with zero rows to a multiple of VOCAB_PAD_MULTIPLE, independent of the
   TP size so one checkpoint loads at any TP; the padding is cut on the way back.
 * Tied embeddings have no `output_layer`; untied ones map `lm_head` to it.
