@@ -4,7 +4,7 @@ torchrun) and prints one JSON line; tests/*/test_megatron*.py and test_checkpoin
     python tests/megatron_worker.py convert ROOT ARCH           HF -> torch_dist -> HF, logits vs HF
     torchrun --nproc_per_node N tests/megatron_worker.py step ROOT CKPT TP EP OUT
                                                                one GRPO step from CKPT, saved to OUT
-    torchrun ... tests/megatron_worker.py resume ROOT CKPT OUT  two steps straight vs a save and load between them
+    torchrun ... tests/megatron_worker.py resume ROOT CKPT OUT [DTYPE]  two steps straight vs a save and load between them
     python tests/megatron_worker.py loss ROOT CKPT             the loss of CKPT's weights on the batch
     python tests/megatron_worker.py replay ROOT CKPT            record MoE routing, replay it
     python tests/megatron_worker.py uncompat ROOT CKPT          the same path without the CPU layer
@@ -63,8 +63,9 @@ def samples(n: int = 8) -> list[Sample]:
     return out
 
 
-def train_cfg(tp: int = 1, ep: int = 1, world: int = 1, pp: int = 1) -> TrainConfig:
-    return TrainConfig(backend="megatron", lr=1e-2, micro_batch_size=4, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, nproc_per_node=world)
+def train_cfg(tp: int = 1, ep: int = 1, world: int = 1, pp: int = 1, dtype: str = "float32") -> TrainConfig:
+    parallel = dict(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, nproc_per_node=world)
+    return TrainConfig(backend="megatron", megatron_dtype=dtype, lr=1e-2, micro_batch_size=4, **parallel)
 
 
 def batch_loss(trainer) -> float:
@@ -79,17 +80,57 @@ def convert(root: Path, *archs: str) -> dict:
     return {arch: convert_one(root / arch, arch) for arch in archs}
 
 
-def _with_routing_bias(hf_dir: Path) -> None:
-    """Give the sigmoid routers' correction biases (zeros in a fresh model) values that change which experts win."""
+# tensors a fresh model leaves at zero or near it, and the scale of the values they get here: sigmoid routers'
+# correction biases (which experts win), gpt-oss's attention sinks and expert biases (interleaved gate/up ones)
+FRESH_VALUES = {"e_score_correction_bias": 0.1, "sinks": 1.0, "gate_up_proj_bias": 0.1, "down_proj_bias": 0.1}
+# config settings lowered so that they act at the tiny model's scale: gpt-oss's SwiGLU clamp (7 in the checkpoint)
+ACTING_SETTINGS = {"gpt_oss": {"swiglu_limit": 0.1}}
+SEQUENCE = 20  # tokens of the compared input: longer than the tiny gpt-oss's sliding window (8)
+
+
+def _with_values_that_matter(hf_dir: Path, arch: str) -> None:
+    """Give the tensors of FRESH_VALUES values that change the outputs, and the settings of ACTING_SETTINGS theirs."""
     from safetensors.torch import load_file, save_file
 
     path = hf_dir / "model.safetensors"
     state, g = load_file(str(path)), torch.Generator().manual_seed(2)
-    biases = [k for k in state if k.endswith("e_score_correction_bias")]
-    for name in biases:
-        state[name] = torch.randn(state[name].shape, generator=g) * 0.1
-    if biases:
+    fresh = {name: scale for name in state for suffix, scale in FRESH_VALUES.items() if name.endswith(suffix)}
+    for name, scale in fresh.items():
+        state[name] = torch.randn(state[name].shape, generator=g) * scale
+    if fresh:
         save_file(state, str(path), metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **ACTING_SETTINGS.get(arch, {})}, indent=2))
+
+
+def _logit_gap(model, spec, ids: torch.Tensor, expected: torch.Tensor) -> float:
+    from miles_core.train.megatron.logits import positions
+
+    with torch.no_grad():
+        got = model.eval()(input_ids=ids, position_ids=positions(ids), attention_mask=None)[..., : spec.vocab_size]
+    return float((expected - got).abs().max())
+
+
+def _ablation_gaps(model, spec, ids: torch.Tensor, expected: torch.Tensor) -> dict:
+    """The logit gap to HF with the attention sinks left out, and with every window opened to the whole sequence:
+    what the comparison would show if the conversion dropped either."""
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    gaps = {}
+    if spec.attention_sinks:
+        offsets = [core.softmax_offset for core in cores]
+        for core in cores:
+            core.softmax_offset = None
+        gaps["without_sinks"] = _logit_gap(model, spec, ids, expected)
+        for core, offset in zip(cores, offsets):
+            core.softmax_offset = offset
+    if spec.sliding_window:
+        windows = [core.scale_mask_softmax.window_size for core in cores]
+        for core in cores:
+            core.scale_mask_softmax.window_size = None
+        gaps["without_windows"] = _logit_gap(model, spec, ids, expected)
+        for core, window in zip(cores, windows):
+            core.scale_mask_softmax.window_size = window
+    return gaps
 
 
 # families the megatron backend maps that have no tiny family in the project: their transformers classes at TINY's
@@ -144,30 +185,31 @@ def convert_one(root: Path, arch: str) -> dict:
     from miles_core.checkpoint.hf_megatron import text_weights
     from miles_core.checkpoint.torch_dist import hf_to_torch_dist, load_megatron_model, torch_dist_to_hf
     from miles_core.models import load_causal_lm
-    from miles_core.train.megatron.logits import positions
 
     if arch in BUILT_HERE:
         _tiny_built_here(arch, root / "hf")
     else:
         build_tiny_model(ModelConfig(arch=arch, **TINY), root / "hf")
-    _with_routing_bias(root / "hf")
+    _with_values_that_matter(root / "hf", arch)
     hf_to_torch_dist(root / "hf", root / "mg")
     torch_dist_to_hf(root / "mg", root / "back")
     model, spec = load_megatron_model(root / "mg")
     before, after = text_weights(spec, load_file(str(root / "hf/model.safetensors"))), load_file(str(root / "back/model.safetensors"))
     reference = load_causal_lm(str(root / "hf"), torch.float32).eval()
     exported = load_causal_lm(str(root / "back"), torch.float32).eval()
-    ids = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, spec.vocab_size, (2, SEQUENCE), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
-        got = model.eval()(input_ids=ids, position_ids=positions(ids), attention_mask=None)[..., : spec.vocab_size]
         again = exported(input_ids=ids).logits
     return {
         "same_names": sorted(before) == sorted(after),
         "bitwise": all(torch.equal(before[k], after[k]) for k in before),
-        "max_logit_diff": float((expected - got).abs().max()),
+        "max_logit_diff": _logit_gap(model, spec, ids, expected),
         "exported_logits_equal": torch.equal(expected, again),
         "logit_scale": float(expected.abs().max()),
+        "sliding_window": spec.sliding_window,
+        "sequence": SEQUENCE,
+        **_ablation_gaps(model, spec, ids, expected),
     }
 
 
@@ -195,13 +237,13 @@ def step(ckpt: str, tp: int, ep: int, out: str, pp: int = 1) -> dict:
     }
 
 
-def resume(ckpt: str, out: str) -> dict:
+def resume(ckpt: str, out: str, dtype: str = "float32") -> dict:
     """Two steps in one go, against one step, a save with optimizer state, a load and one more step."""
     import torch.distributed as dist
 
     from miles_core.train.megatron.trainer import MegatronTrainer
 
-    cfg = train_cfg(world=int(__import__("os").environ.get("WORLD_SIZE", "1")))
+    cfg = train_cfg(world=int(__import__("os").environ.get("WORLD_SIZE", "1")), dtype=dtype)
     straight = MegatronTrainer.load(ckpt, cfg)
     for _ in range(2):
         optimize(straight, samples(), FNS, 0)

@@ -7,7 +7,9 @@ attention, shared experts, dense first layers, sigmoid routing with a correction
 YaRN), Kimi-K2.5 (its DeepSeek-V3 text model; the vision tower is not trained), GLM-4.5 (GQA with
 biased projections, half-rotary heads, optional q/k norms, DeepSeek-style experts) and GLM-4.7-Flash
 (`glm4_moe_lite`: DeepSeek-V3's layers, its dense layers named by `mlp_layer_types`), and DeepSeek-V2
-(MLA, queries with or without a low-rank projection, softmax-routed DeepSeek experts as transformers runs them).
+(MLA, queries with or without a low-rank projection, softmax-routed DeepSeek experts as transformers runs them)
+and gpt-oss (learnt attention sinks, sliding-window layers alternating with full ones, biased q/k/v/o projections,
+YaRN, biased experts with the clamped SwiGLU, a biased router softmaxed over its top-k logits).
 `megatron_refusal(config)` gives every other family's reason in one sentence; `arch_spec` raises it
 as a CheckpointError naming the file and the model_type, so a run is refused before any compute.
 """
@@ -20,8 +22,11 @@ from dataclasses import dataclass
 from miles_core.weights.check import CheckpointError
 
 VOCAB_PAD_MULTIPLE = 128  # megatron's make_vocab_size_divisible_by default; divisible by any TP <= 128
-ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k25", "glm4_moe", "glm4_moe_lite")  # config.json model_type
+ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k25", "glm4_moe", "glm4_moe_lite", "gpt_oss")  # config.json model_type
 MLA_ARCHS = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # multi-latent attention with DeepSeek-style experts
+YARN_ARCHS = (*MLA_ARCHS, "gpt_oss")  # the families whose YaRN RoPE the conversion maps
+QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu: x * sigmoid(1.702 x), gpt-oss's swiglu_alpha
+GPT_OSS_DEFAULTS = {"sliding_window": 128, "swiglu_limit": 7.0}  # transformers' GptOssConfig, for a config.json without them
 SIGMOID_ARCHS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # sigmoid routers with e_score_correction_bias
 MULTIMODAL = {"kimi_k25": "deepseek_v3"}  # model_type -> the model_type of its text model, which is what is converted
 
@@ -52,10 +57,6 @@ REFUSALS = {
         "its chunked local attention (attention_chunk_size) and the attention temperature of its NoPE layers have no option in "
         "megatron-core 0.16.1's TransformerConfig"
     ),
-    "gpt_oss": (
-        "megatron-core 0.16.1 has the pieces (learnable softmax offsets for attention sinks, window_size, clamped SwiGLU with glu_linear_offset) "
-        "but the project's conversion does not map its sinks, alternating sliding windows and biased interleaved experts yet"
-    ),
 }
 for _kind, _text in (("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text"), ("llama4", "llama4_text"), ("glm5_next", "glm5_next_text")):
     REFUSALS[_text] = REFUSALS[_kind]
@@ -82,6 +83,7 @@ class Yarn:
     beta_slow: float
     mscale: float
     mscale_all_dim: float
+    truncate: bool = True  # the correction range rounded to whole dimensions (HF's `truncate`)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,11 @@ class ArchSpec:
     rotary_fraction: float = 1.0  # partial_rotary_factor: RoPE on the first part of each head only
     mla: MLA | None = None
     yarn: Yarn | None = None
+    linear_bias: bool = False  # biases on the output projection, the experts and the router (gpt-oss)
+    attention_sinks: bool = False  # a learnt per-head logit in every softmax's denominator (gpt-oss `sinks`)
+    sliding_window: int = 0  # the tokens a windowed layer's query sees, itself included (0: no window)
+    windowed_layers: tuple[int, ...] = ()  # the layers that attend within sliding_window
+    swiglu_limit: float = 0.0  # gpt-oss's SwiGLU: gate and up clamped to it, x * sigmoid(1.702 x) gate, up + 1 (0: plain SwiGLU)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -138,11 +145,13 @@ def _rope(text: dict) -> dict:
 
 def _value_refusal(kind: str, text: dict) -> str | None:
     """Why a mapped family's config asks for something megatron-core 0.16.1 computes differently, if it does."""
-    rope, rotaries = _rope(text), ("default", "yarn") if kind in MLA_ARCHS else ("default",)
+    rope, rotaries = _rope(text), ("default", "yarn") if kind in YARN_ARCHS else ("default",)
     if rope["rope_type"] not in rotaries:
         return f"rope_type {rope['rope_type']!r}: the conversion maps {' and '.join(rotaries)} RoPE for {kind}"
-    if rope["rope_type"] == "yarn" and rope.get("truncate") is False:
-        return "YaRN with truncate false: megatron-core 0.16.1 always rounds the correction range"
+    if kind in MLA_ARCHS and rope["rope_type"] == "yarn" and rope.get("truncate") is False:
+        return "YaRN with truncate false: megatron-core 0.16.1's multi-latent attention always rounds the correction range"
+    if kind == "gpt_oss":
+        return _gpt_oss_refusal(text)
     if kind in MLA_ARCHS and text.get("attention_bias"):
         return "attention_bias true: megatron-core 0.16.1 builds multi-latent attention's down and output projections without biases"
     if kind in MLA_ARCHS and text.get("rope_interleave") is False:
@@ -171,6 +180,18 @@ def _softmax_routing_refusal(text: dict, top_k: int, groups: int, group_top_k: i
     return None
 
 
+def _gpt_oss_refusal(text: dict) -> str | None:
+    """gpt-oss settings that megatron-core 0.16.1's options cannot express, and its published MXFP4 weights."""
+    if text.get("quantization_config"):
+        method = text["quantization_config"].get("quant_method")
+        return f"quantization_config ({method}): the conversion reads unquantized weights, so the checkpoint must be dequantized (bf16) first"
+    if text.get("swiglu_alpha", QUICK_GELU_ALPHA) != QUICK_GELU_ALPHA:
+        return f"swiglu_alpha {text['swiglu_alpha']}: megatron-core 0.16.1's quick_gelu fixes the gate's sigmoid scale at {QUICK_GELU_ALPHA}"
+    if not text.get("attention_bias", True):
+        return "attention_bias false: megatron-core 0.16.1's add_bias_linear gives the output projection a bias whenever the experts have one"
+    return None
+
+
 def megatron_refusal(config: dict) -> str | None:
     """Why the megatron backend cannot train this HF config (a dict as in config.json), in one sentence; None if it can."""
     kind = config.get("model_type")
@@ -188,7 +209,8 @@ def _yarn(rope: dict) -> Yarn | None:
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
     both = bool(mscale and mscale_all_dim)  # HF uses the mscale ratio only when both are set, else 0.1 ln(factor) + 1
     beta_fast, beta_slow = rope.get("beta_fast") or 32.0, rope.get("beta_slow") or 1.0
-    return Yarn(rope["factor"], rope["original_max_position_embeddings"], beta_fast, beta_slow, mscale if both else 1.0, mscale_all_dim or 0.0)
+    mscales = (mscale if both else 1.0, mscale_all_dim or 0.0)
+    return Yarn(rope["factor"], rope["original_max_position_embeddings"], beta_fast, beta_slow, *mscales, truncate=rope.get("truncate", True))
 
 
 def _deepseek_moe(text: dict, sigmoid: bool) -> dict:
@@ -219,6 +241,27 @@ def _dense_layers(text: dict) -> tuple[int, ...]:
     return tuple(range(text.get("first_k_dense_replace") or 0))
 
 
+def _gpt_oss(text: dict) -> dict:
+    """gpt-oss: biased attention with sinks, every `sliding_attention` layer windowed, biased experts (each of
+    `intermediate_size`) behind a biased router whose top-k logits are softmaxed (renormalised top-k weights)."""
+    # transformers' default for a config that names no layer_types: the even layers windowed
+    kinds = text.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(text["num_hidden_layers"])]
+    window = text.get("sliding_window", GPT_OSS_DEFAULTS["sliding_window"]) or 0
+    return dict(
+        qkv_bias=True,
+        qk_norm=False,
+        linear_bias=True,
+        attention_sinks=True,
+        sliding_window=window,
+        windowed_layers=tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention") if window else (),
+        swiglu_limit=float(text.get("swiglu_limit", GPT_OSS_DEFAULTS["swiglu_limit"])),
+        num_experts=text["num_local_experts"],
+        moe_top_k=text["num_experts_per_tok"],
+        moe_ffn_hidden_size=text["intermediate_size"],
+        moe_renormalize=True,
+    )
+
+
 def _family_fields(kind: str, text: dict) -> dict:
     heads = text["num_attention_heads"]
     if kind in MLA_ARCHS:
@@ -231,6 +274,8 @@ def _family_fields(kind: str, text: dict) -> dict:
             mla=mla,
             **_deepseek_moe(text, kind in SIGMOID_ARCHS),
         )
+    if kind == "gpt_oss":
+        return _gpt_oss(text)
     if kind == "glm4_moe":
         return dict(qkv_bias=bool(text.get("attention_bias")), qk_norm=bool(text.get("use_qk_norm")), **_deepseek_moe(text, sigmoid=True))
     moe = kind == "qwen3_moe"

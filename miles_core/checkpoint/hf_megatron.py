@@ -1,4 +1,4 @@
-"""HF <-> megatron-core GPTModel weight mapping for every family in `arch.ARCHS` (dense GQA, Qwen3-MoE, MLA, DeepSeek MoE).
+"""HF <-> megatron-core GPTModel weight mapping for every family in `arch.ARCHS` (dense GQA, Qwen3-MoE, MLA, DeepSeek MoE, gpt-oss).
 
 Pure tensor code (no megatron import): an HF state dict as stored in `model.safetensors` maps to
 the state dict of an unsharded (TP=PP=EP=1) GPTModel built with the local layer spec, and back.
@@ -16,6 +16,10 @@ joined (HF -> megatron) and split (megatron -> HF), so both directions read the 
 * gate/up projections (SwiGLU) fuse into `linear_fc1` as [gate; up]; experts and shared experts likewise.
   A sigmoid router's `e_score_correction_bias` is megatron's `router.expert_bias` buffer (fp32 in both, and
   in every published dtype: `keeps_fp32`).
+* gpt-oss stacks its experts (`experts.gate_up_proj` [experts, hidden, 2 * ffn], `x @ W` layout) with gate and up
+  interleaved (gate columns even, up columns odd): each expert's slice, transposed and de-interleaved, is its
+  `linear_fc1` [gate; up] (biases likewise), `down_proj` transposed its `linear_fc2`.  Its output projection, router
+  and experts carry biases, and its attention sinks are the core attention's learnable `softmax_offset`.
 * The vocabulary is padded with zero rows to a multiple of VOCAB_PAD_MULTIPLE, independent of the
   TP size so one checkpoint loads at any TP; the padding is cut on the way back.
 * Tied embeddings have no `output_layer`; untied ones map `lm_head` to it.
@@ -40,6 +44,8 @@ __all__ = ["ARCHS", "VOCAB_PAD_MULTIPLE", "ArchSpec", "arch_spec", "export_confi
 # multimodal model_type -> (prefix of its text model's tensors, renamings inside it as checkpoints spell them)
 TEXT_WEIGHTS = {"kimi_k25": ("language_model.", (("model.blocks.", "model.layers."),))}
 _TEXT_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM"}
+# model_type -> its experts' tensors that hold every expert of a layer stacked on the first dimension
+STACKED_EXPERTS = {"gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -79,6 +85,31 @@ def text_weights(spec: ArchSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch
             for old, new in renames:
                 name = new + name[len(old) :] if name.startswith(old) else name
             out[name] = tensor
+    return out
+
+
+def _stacked_names(spec: ArchSpec) -> list[tuple[str, str]]:
+    """(stacked tensor, its per-expert name with `{}` for the expert) for every layer."""
+    return [
+        (f"model.layers.{i}.mlp.experts.{name}", f"model.layers.{i}.mlp.experts.{{}}.{name}")
+        for i in range(spec.num_layers)
+        for name in STACKED_EXPERTS.get(spec.model_type, ())
+    ]
+
+
+def unstack_experts(spec: ArchSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with stacked expert tensors split into one tensor per expert (`experts.{e}.<name>`)."""
+    out = dict(hf)
+    for stacked, each in _stacked_names(spec):
+        out |= {each.format(e): t for e, t in enumerate(out.pop(stacked).unbind(0))}
+    return out
+
+
+def stack_experts(spec: ArchSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `unstack_experts`."""
+    out = dict(hf)
+    for stacked, each in _stacked_names(spec):
+        out[stacked] = torch.stack([out.pop(each.format(e)) for e in range(spec.num_experts)])
     return out
 
 
@@ -129,6 +160,39 @@ class Link:
     split: Callable[[torch.Tensor], list[torch.Tensor]] = _whole  # megatron tensor -> HF tensors
 
 
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Rows [g0, u0, g1, u1, ...] -> [g0, g1, ...; u0, u1, ...]."""
+    return torch.cat([t[::2], t[1::2]])
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    return torch.stack(t.chunk(2), dim=1).reshape(t.shape)
+
+
+def _fc1_of_gate_up(parts: list[torch.Tensor]) -> torch.Tensor:
+    return _deinterleave(parts[0].T)  # [hidden, 2 * ffn] interleaved -> [gate; up] rows
+
+
+def _gate_up_of_fc1(t: torch.Tensor) -> list[torch.Tensor]:
+    return [_interleave(t).T]
+
+
+def _fc1_bias_of_gate_up(parts: list[torch.Tensor]) -> torch.Tensor:
+    return _deinterleave(parts[0])
+
+
+def _gate_up_bias_of_fc1(t: torch.Tensor) -> list[torch.Tensor]:
+    return [_interleave(t)]
+
+
+def _transposed(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0].T
+
+
+def _transposed_back(t: torch.Tensor) -> list[torch.Tensor]:
+    return [t.T]
+
+
 def _copy(pairs: dict[str, str], dst: str, src: str) -> list[Link]:
     return [Link(dst + mg, (src + hf,)) for mg, hf in pairs.items()]
 
@@ -147,6 +211,10 @@ def _gqa(spec: ArchSpec, dst: str, src: str) -> list[Link]:
         links.append(Link(f"{dst}linear_qkv.bias", tuple(f"{src}{p}_proj.bias" for p in "qkv"), fuse, split))
     if spec.qk_norm:
         links += _copy({"q_layernorm.weight": "q_norm.weight", "k_layernorm.weight": "k_norm.weight"}, dst, src)
+    if spec.attention_sinks:
+        links += _copy({"core_attention.softmax_offset": "sinks"}, dst, src)
+    if spec.linear_bias:
+        links += _copy({"linear_proj.bias": "o_proj.bias"}, dst, src)
     return links + _copy({"linear_proj.weight": "o_proj.weight"}, dst, src)
 
 
@@ -160,7 +228,26 @@ def _mla(spec: ArchSpec, dst: str, src: str) -> list[Link]:
     return _copy(pairs, dst, src)
 
 
+def _stacked_expert(dst: str, src: str) -> list[Link]:
+    """One gpt-oss expert, `src` naming its slice of the stacked tensors (`unstack_experts`)."""
+    return [
+        Link(f"{dst}linear_fc1.weight", (f"{src}gate_up_proj",), _fc1_of_gate_up, _gate_up_of_fc1),
+        Link(f"{dst}linear_fc1.bias", (f"{src}gate_up_proj_bias",), _fc1_bias_of_gate_up, _gate_up_bias_of_fc1),
+        Link(f"{dst}linear_fc2.weight", (f"{src}down_proj",), _transposed, _transposed_back),
+        Link(f"{dst}linear_fc2.bias", (f"{src}down_proj_bias",)),
+    ]
+
+
+def _gpt_oss_mlp(spec: ArchSpec, dst: str, src: str) -> list[Link]:
+    links = _copy({"router.weight": "router.weight", "router.bias": "router.bias"}, dst, src)
+    for e in range(spec.num_experts):
+        links += _stacked_expert(f"{dst}experts.local_experts.{e}.", f"{src}experts.{e}.")
+    return links
+
+
 def _mlp(spec: ArchSpec, i: int, dst: str, src: str) -> list[Link]:
+    if spec.model_type in STACKED_EXPERTS:
+        return _gpt_oss_mlp(spec, dst, src)
     if not spec.is_moe_layer(i):
         return _swiglu(dst, src)
     links = [Link(f"{dst}router.weight", (f"{src}gate.weight",))]
@@ -189,10 +276,10 @@ def links(spec: ArchSpec) -> list[Link]:
 
 def hf_to_megatron(spec: ArchSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF state dict (safetensors names) -> unsharded megatron GPTModel state dict."""
-    hf = text_weights(spec, hf)
+    hf = unstack_experts(spec, text_weights(spec, hf))
     return {link.mg: link.join([hf[name] for name in link.hf]).contiguous() for link in links(spec)}
 
 
 def megatron_to_hf(spec: ArchSpec, mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Unsharded megatron GPTModel state dict -> HF state dict of the (text) causal LM (safetensors names, vocab unpadded)."""
-    return {name: t.contiguous() for link in links(spec) for name, t in zip(link.hf, link.split(mg[link.mg]))}
+    return stack_experts(spec, {name: t.contiguous() for link in links(spec) for name, t in zip(link.hf, link.split(mg[link.mg]))})

@@ -1,7 +1,7 @@
-"""The megatron backend on gloo with real megatron-core: TP/PP/EP parity, resharding, MoE, router replay,
-one RL step on each MLA / DeepSeek-style MoE family (DeepSeek-V3 at EP=2 and PP=2, Kimi-K2.5, GLM-4.5,
-GLM-4.7-Flash, DeepSeek-V2), and the CPU compatibility layer (every redirection it installs fires on these
-paths, none is missing).
+"""The megatron backend on gloo with real megatron-core: TP/PP/EP parity, resharding, resuming (fp32, and bf16 with
+biases), MoE, router replay, one RL step on each MLA / DeepSeek-style MoE family and gpt-oss (DeepSeek-V3 and
+gpt-oss at EP=2 and PP=2, Kimi-K2.5, GLM-4.5, GLM-4.7-Flash, DeepSeek-V2), and the CPU compatibility layer (every
+redirection it installs fires on these paths, none is missing).
 
 One module-scoped set of runs from converted tiny checkpoints; each test reads its part.
 """
@@ -25,7 +25,8 @@ def runs():
         yield parallel_runs(Path(tmp))
 
 
-FAMILIES = {"deepseek_v3": 2, "kimi_k25": 1, "glm4_moe": 1, "glm4_moe_lite": 1, "deepseek_v2": 1}  # family -> expert parallel size of its step
+FAMILIES = {"deepseek_v3": 2, "kimi_k25": 1, "glm4_moe": 1, "glm4_moe_lite": 1, "deepseek_v2": 1, "gpt_oss": 2}  # family -> expert parallel size of its step
+SPLIT_BY_STAGES = ("deepseek_v3", "gpt_oss")  # families also stepped at PP=2, against their EP=2 step
 
 
 def parallel_runs(root: Path) -> dict:
@@ -36,12 +37,14 @@ def parallel_runs(root: Path) -> dict:
         "pp2": run_worker("step", root, root / "llama/mg", 1, 1, root / "pp2", 2, nproc=2),
         "ep2": run_worker("step", root, root / "qwen3_moe/mg", 1, 2, root / "ep2", nproc=2),
         "resume": run_worker("resume", root, root / "qwen2/mg", root / "resumed", nproc=2),
+        "resume_bf16_biased": run_worker("resume", root, root / "gpt_oss/mg", root / "resumed-bf16", "bfloat16", nproc=2),
         "replay": run_worker("replay", root, root / "qwen3_moe/mg"),
         "uncompat": run_worker("uncompat", root, root / "qwen2/mg"),
     }
     for arch, ep in FAMILIES.items():
         out[arch] = run_worker("step", root, root / arch / "mg", 1, ep, root / f"{arch}-step", nproc=2 if ep > 1 else 0)
-    out["deepseek_v3_pp2"] = run_worker("step", root, root / "deepseek_v3/mg", 1, 1, root / "deepseek_v3-pp2", 2, nproc=2)
+    for arch in SPLIT_BY_STAGES:
+        out[f"{arch}_pp2"] = run_worker("step", root, root / arch / "mg", 1, 1, root / f"{arch}-pp2", 2, nproc=2)
     out["reloaded"] = run_worker("loss", root, root / "tp2", root / "pp2", root / "ep2")["losses"]
     out["families_reloaded"] = run_worker("loss", root, *(root / f"{arch}-step" for arch in FAMILIES))["losses"]
     return out
@@ -56,9 +59,11 @@ def test_tp1_and_tp2_train_the_same_from_one_checkpoint(runs):
     assert tp1["loss_after"] < tp1["loss_before"] - 0.01  # the step changed the weights
 
 
-def test_a_resumed_run_continues_exactly_with_its_optimizer_state(runs):
-    """DP=2 (each rank holds half of Adam's state): step, save, load, step equals two steps in a row."""
-    resume = runs["resume"]
+@pytest.mark.parametrize("run", ["resume", "resume_bf16_biased"])
+def test_a_resumed_run_continues_exactly_with_its_optimizer_state(runs, run):
+    """DP=2 (each rank holds half of Adam's state): step, save, load, step equals two steps in a row; Qwen2 in fp32,
+    and gpt-oss in bf16, whose fp32 norms and bf16 biases share a parameter group (model.py's re-indexing)."""
+    resume = runs[run]
     assert resume["steps"] == [2, 2]
     assert resume["resumed"] == resume["straight"]
 
@@ -76,18 +81,20 @@ def test_moe_trains_with_expert_parallel_2(runs):
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_each_mla_and_deepseek_moe_family_takes_an_rl_step(runs, arch):
+def test_each_frontier_moe_family_takes_an_rl_step(runs, arch):
     """One GRPO step from the converted checkpoint: finite loss and gradient, the weights move, and the saved
-    checkpoint (EP=2 for DeepSeek-V3) reloads at EP=1 with the loss the trainer had after the step."""
+    checkpoint (EP=2 for DeepSeek-V3 and gpt-oss) reloads at EP=1 with the loss the trainer had after the step."""
     step = runs[arch]
     assert math.isfinite(step["train_loss"]) and 0 < step["grad_norm"] < math.inf
     assert abs(step["loss_after"] - step["loss_before"]) > 1e-3
     assert runs["families_reloaded"][list(FAMILIES).index(arch)] == pytest.approx(step["loss_after"], abs=SAME)
 
 
-def test_deepseek_v3_trains_the_same_split_by_experts_or_by_pipeline_stages(runs):
-    """EP=2 against PP=2 (the dense first layer on one stage, the MoE layer with its shared expert on the other)."""
-    ep2, pp2 = runs["deepseek_v3"], runs["deepseek_v3_pp2"]
+@pytest.mark.parametrize("arch", SPLIT_BY_STAGES)
+def test_a_family_trains_the_same_split_by_experts_or_by_pipeline_stages(runs, arch):
+    """EP=2 against PP=2: DeepSeek-V3's dense first layer on one stage, its MoE layer with the shared expert on the
+    other; gpt-oss's sliding-window layer on one stage, its full-attention layer on the other."""
+    ep2, pp2 = runs[arch], runs[f"{arch}_pp2"]
     for key in ("loss_before", "train_loss", "loss_after"):
         assert pp2[key] == pytest.approx(ep2[key], abs=SAME), key
     assert pp2["grad_norm"] == pytest.approx(ep2["grad_norm"], abs=1e-4)

@@ -1,9 +1,10 @@
 """HF <-> megatron-core conversion for each supported architecture, with the real megatron-core (CPU, gloo),
 and the reason given for each family megatron does not train.
 
-Each architecture: build the tiny HF model (sigmoid routers' correction biases set to values that change
-the routing), convert HF -> torch_dist -> HF, compare the weights bitwise, compare megatron's logits with
-HF's on the same input in fp32, and load the exported HF model (a multimodal checkpoint's text model).
+Each architecture: build the tiny HF model (sigmoid routers' correction biases, gpt-oss's sinks and expert biases
+set to values that change the outputs, its SwiGLU clamp lowered to act), convert HF -> torch_dist -> HF, compare
+the weights bitwise, compare megatron's logits with HF's on the same input in fp32 (longer than gpt-oss's sliding
+window), and load the exported HF model (a multimodal checkpoint's text model).
 """
 
 import tempfile
@@ -14,7 +15,7 @@ from miles_core.weights.check import CheckpointError
 from tests.megatron_runs import run_worker
 
 LOGIT_TOLERANCE = 1e-5  # fp32, same weights: only the summation order of the two implementations differs
-ARCHS = ["qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k25", "glm4_moe", "glm4_moe_lite"]
+ARCHS = ["qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k25", "glm4_moe", "glm4_moe_lite", "gpt_oss"]
 BUILT_BY_THE_WORKER = {"deepseek_v2", "glm4_moe_lite"}  # no tiny family of the project: tests/megatron_worker.py builds it
 FAMILY_ARCHS = [arch for arch in ARCHS if arch not in BUILT_BY_THE_WORKER]
 # every other family of the project, and the words of its reason that name what megatron-core 0.16.1 lacks for it
@@ -29,7 +30,6 @@ REFUSED = {
     "nemotron_h": "Mamba-2 layers",
     "minimax_m2": "q/k RMSNorm normalises all heads of a projection together",
     "llama4": "chunked local attention",
-    "gpt_oss": "sinks",
 }
 
 
@@ -46,6 +46,14 @@ def test_conversion_round_trip_and_logits(arch, converted):
     assert result["max_logit_diff"] < LOGIT_TOLERANCE, result
     assert result["exported_logits_equal"], result  # the exported directory is the same model to transformers
     assert result["logit_scale"] > 0.1  # the logits compared are not all ~0
+
+
+def test_gpt_oss_logits_need_its_sinks_and_sliding_windows(converted):
+    """The comparison above covers both: without the sinks, or with the windows opened, megatron's logits leave HF's."""
+    result = converted["gpt_oss"]
+    assert result["sequence"] > result["sliding_window"] > 0  # the window cuts the compared sequence
+    assert result["without_sinks"] > 100 * LOGIT_TOLERANCE, result
+    assert result["without_windows"] > 100 * LOGIT_TOLERANCE, result
 
 
 def test_mapping_fuses_grouped_qkv_and_gate_up():
@@ -74,6 +82,29 @@ def test_mapping_fuses_grouped_qkv_and_gate_up():
     assert mg["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist() == [1, 1, 1, 2, 2, 2]
     assert mg["embedding.word_embeddings.weight"].shape == (128, 4) and "output_layer.weight" not in mg
     back = megatron_to_hf(spec, mg)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_gpt_oss_experts_are_unstacked_transposed_and_deinterleaved():
+    """The pure mapping of stacked gpt-oss experts: `x @ W` slices with gate columns even and up columns odd
+    become each expert's [gate; up] rows, biases likewise, down_proj transposed; and back, bitwise."""
+    import torch
+    import transformers
+
+    from miles_core.checkpoint.hf_megatron import arch_spec, hf_to_megatron, megatron_to_hf
+
+    sizes = dict(vocab_size=5, hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=2)
+    config = transformers.GptOssConfig(**sizes, intermediate_size=2, num_local_experts=2, num_experts_per_tok=2)
+    hf = {name: torch.randn(t.shape) for name, t in transformers.GptOssForCausalLM(config).state_dict().items()}
+    experts = "model.layers.0.mlp.experts."
+    hf[f"{experts}gate_up_proj_bias"] = torch.tensor([[0.0, 1, 2, 3], [4, 5, 6, 7]])
+    mg = hf_to_megatron(arch_spec(config.to_dict()), hf)
+    gate_up, expert1 = hf[f"{experts}gate_up_proj"][1], "decoder.layers.0.mlp.experts.local_experts.1."
+    assert torch.equal(mg[f"{expert1}linear_fc1.weight"], torch.cat([gate_up[:, ::2].T, gate_up[:, 1::2].T]))
+    assert mg[f"{expert1}linear_fc1.bias"].tolist() == [4, 6, 5, 7]  # [gate; up]
+    assert torch.equal(mg[f"{expert1}linear_fc2.weight"], hf[f"{experts}down_proj"][1].T)
+    assert torch.equal(mg["decoder.layers.0.self_attention.core_attention.softmax_offset"], hf["model.layers.0.self_attn.sinks"])
+    back = megatron_to_hf(arch_spec(config.to_dict()), mg)
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
 
 
@@ -202,6 +233,56 @@ GLM4_5 = {
     "vocab_size": 151552,
     "first_k_dense_replace": 3,
 }
+
+
+# openai/gpt-oss-20b's config.json, as a dequantized (bf16) copy has it: without the published MXFP4 quantization_config
+GPT_OSS_20B = {
+    "model_type": "gpt_oss",
+    "attention_bias": True,
+    "head_dim": 64,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}
+
+
+def test_the_published_gpt_oss_config_reads_as_windowed_gqa_with_sinks_yarn_and_biased_experts():
+    from miles_core.checkpoint.arch import Yarn, arch_spec
+
+    spec = arch_spec(GPT_OSS_20B)
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rope_theta) == (64, 8, 64, 150000)
+    assert spec.yarn == Yarn(factor=32.0, original_max_positions=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0, truncate=False)
+    assert spec.attention_sinks and spec.qkv_bias and spec.linear_bias and spec.swiglu_limit == 7.0
+    assert spec.sliding_window == 128 and spec.windowed_layers == tuple(range(0, 24, 2))
+    assert (spec.num_experts, spec.moe_top_k, spec.moe_ffn_hidden_size, spec.moe_renormalize, spec.moe_sigmoid) == (32, 4, 2880, True, False)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"swiglu_alpha": 1.5}, "swiglu_alpha 1.5: megatron-core 0.16.1's quick_gelu fixes the gate's sigmoid scale at 1.702"),
+        ({"attention_bias": False}, "attention_bias false: megatron-core 0.16.1's add_bias_linear gives the output projection a bias"),
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config (mxfp4): the conversion reads unquantized weights"),
+    ],
+)
+def test_a_gpt_oss_setting_megatron_cannot_express_is_refused_naming_the_key(change, words):
+    from miles_core.checkpoint.arch import megatron_refusal
+
+    assert megatron_refusal(GPT_OSS_20B) is None
+    assert megatron_refusal({**GPT_OSS_20B, **change}).startswith(words)
 
 
 def test_the_published_deepseek_v3_config_reads_as_mla_with_grouped_sigmoid_routing_and_yarn():

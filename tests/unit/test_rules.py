@@ -136,7 +136,7 @@ def test_every_rule_of_the_table_has_a_case():
     assert {c[2].split(":")[0] for c in CASES} == {rule.key for rule in RULES} | {f"train.{size}" for size, _ in PARALLEL_SPLITS}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe", "gpt_oss"])
 def test_every_moe_family_megatron_trains_is_refused_at_tensor_parallel_2(tmp_path, arch):
     with pytest.raises(ConfigError, match="train.tensor_parallel: megatron-core 0.16.1 trains MoE layers at tensor parallel > 1"):
         load_recipe(recipe(tmp_path), {**MEGATRON, "train.tensor_parallel": 2, "model.arch": arch})

@@ -4,6 +4,11 @@
 * Multi-latent attention (DeepSeek-V2/V3, Kimi-K2.5, GLM-4.7-Flash): MLATransformerConfig and the local spec's
   MLASelfAttention; RoPE or YaRN inside the attention, as megatron-core computes MLA's RoPE itself.
 * Partial rotary heads (GLM-4.5): the GPTModel's rotary_percent.
+* gpt-oss: YaRN through GPTModel's "yarn" position embedding (yarn_config.py); attention sinks as the learnable
+  softmax offset and sliding windows per layer (`window_attn_skip_freq` as a list), both of which the local
+  DotProductAttention applies in its unfused softmax; biases on every linear layer and the router; the clamped
+  SwiGLU as quick_gelu with `activation_func_clamp_value` and `glu_linear_offset` 1; the experts' fc2 of
+  expert_linear.py, which training with biased experts needs when they are not split over ranks.
 * MoE: softmax top-k (Qwen3-MoE, DeepSeek-V2) or sigmoid scores with the correction bias as `expert_bias`
   (DeepSeek, GLM), group-limited top-k, routed_scaling_factor, shared experts, and dense first
   layers through `moe_layer_freq`.  The router runs in fp32 as HF's does.  The expert bias is kept
@@ -54,6 +59,28 @@ def _moe(spec: ArchSpec, routing_replay: bool) -> dict:
     return moe | dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
 
 
+def _attention(spec: ArchSpec) -> dict:
+    fields = dict(softmax_type="learnable" if spec.attention_sinks else "vanilla")
+    if spec.sliding_window:  # megatron's window counts the tokens before the query, HF's sliding_window the query too
+        windowed = [int(i in spec.windowed_layers) for i in range(spec.num_layers)]
+        fields |= dict(window_size=(spec.sliding_window - 1, 0), window_attn_skip_freq=windowed)
+    return fields
+
+
+def _activation(spec: ArchSpec) -> dict:
+    if not spec.swiglu_limit:
+        return dict(activation_func=F.silu)
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu  # optional backend: imported where used
+
+    return dict(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=spec.swiglu_limit)
+
+
+def _gqa_yarn(spec: ArchSpec) -> dict:
+    from miles_core.train.megatron.yarn_config import GQA_SETTINGS, yarn_fields
+
+    return yarn_fields(spec.yarn, GQA_SETTINGS)
+
+
 def _mla(spec: ArchSpec) -> dict:
     mla = spec.mla
     fields = dict(
@@ -65,25 +92,32 @@ def _mla(spec: ArchSpec) -> dict:
         rotary_base=spec.rope_theta,
         rope_type="yarn" if spec.yarn else "rope",
     )
+    if not spec.yarn:
+        return fields
+    from miles_core.train.megatron.yarn_config import MLA_SETTINGS, yarn_fields
+
+    return fields | yarn_fields(spec.yarn, MLA_SETTINGS)
+
+
+def _config_class(spec: ArchSpec):
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig  # optional backend: imported where used
+
+    if spec.mla:
+        return MLATransformerConfig
     if spec.yarn:
-        y = spec.yarn
-        fields |= dict(
-            rotary_scaling_factor=y.factor,
-            original_max_position_embeddings=y.original_max_positions,
-            beta_fast=y.beta_fast,
-            beta_slow=y.beta_slow,
-            mscale=y.mscale,
-            mscale_all_dim=y.mscale_all_dim,
-        )
-    return fields
+        from miles_core.train.megatron.yarn_config import YarnTransformerConfig
+
+        return YarnTransformerConfig
+    return TransformerConfig
+
+
+def _rotary(spec: ArchSpec) -> dict:
+    return _mla(spec) if spec.mla else _gqa_yarn(spec) if spec.yarn else {}
 
 
 def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype, routing_replay: bool = False):
-    """The (MLA)TransformerConfig of the model at these parallel sizes."""
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig  # optional backend: imported where used
-
-    config_class = MLATransformerConfig if spec.mla else TransformerConfig
-    return config_class(
+    """The (MLA / YaRN)TransformerConfig of the model at these parallel sizes."""
+    return _config_class(spec)(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_heads,
@@ -93,8 +127,7 @@ def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype, routing_rep
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        add_bias_linear=spec.linear_bias,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_norm or spec.mla is not None,  # MLA: the norms of the q and kv latents
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -107,7 +140,9 @@ def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype, routing_rep
         expert_tensor_parallel_size=1,
         sequence_parallel=False,
         **_CPU_SAFE,
-        **(_mla(spec) if spec.mla else {}),
+        **_activation(spec),
+        **_attention(spec),
+        **_rotary(spec),
         **_moe(spec, routing_replay),
     )
 
@@ -121,17 +156,38 @@ def _latent_core_attention(layer):
     return replace(layer, submodules=replace(layer.submodules, self_attention=replace(attention, submodules=parts)))
 
 
+def _unreduced_expert_output(layer):
+    """An MoE layer spec whose experts' fc2 skips the reduce over a one-rank group (expert_linear.py); dense layers as they are."""
+    from miles_core.train.megatron.expert_linear import ExpertRowParallelLinear
+
+    mlp = layer.submodules.mlp
+    if not hasattr(mlp.submodules, "experts"):
+        return layer
+    experts = mlp.submodules.experts
+    experts = replace(experts, submodules=replace(experts.submodules, linear_fc2=ExpertRowParallelLinear))
+    mlp = replace(mlp, submodules=replace(mlp.submodules, experts=experts))
+    return replace(layer, submodules=replace(layer.submodules, mlp=mlp))
+
+
+def _adapted(spec: ArchSpec, layer):
+    """The local spec's layer with our own parts where a family needs them: MLA's core attention, biased experts' fc2."""
+    if spec.mla:
+        layer = _latent_core_attention(layer)
+    if spec.linear_bias and spec.num_experts:
+        layer = _unreduced_expert_output(layer)
+    return layer
+
+
 def layer_spec(spec: ArchSpec, config):
     """Local (no TransformerEngine) layer specs: one for every layer, or per layer where dense layers precede MoE ones."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     if not spec.num_experts:
-        layer = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=spec.mla is not None, normalization="RMSNorm")
-        return _latent_core_attention(layer) if spec.mla else layer
+        return _adapted(spec, get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=spec.mla is not None, normalization="RMSNorm"))
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    return replace(block, layer_specs=[_latent_core_attention(layer) for layer in block.layer_specs]) if spec.mla else block
+    return replace(block, layer_specs=[_adapted(spec, layer) for layer in block.layer_specs])
 
 
 def rotary_options(spec: ArchSpec) -> dict:
     """GPTModel's position-embedding arguments (MLA applies its RoPE inside the attention, from the config)."""
-    return dict(position_embedding_type="rope", rotary_base=int(spec.rope_theta), rotary_percent=spec.rotary_fraction)
+    return dict(position_embedding_type="yarn" if spec.yarn and not spec.mla else "rope", rotary_base=int(spec.rope_theta), rotary_percent=spec.rotary_fraction)

@@ -35,8 +35,9 @@ HITS: Counter = Counter()  # redirection name -> times it fired in this process
 TORCH_VIEW_MODULES = {
     "megatron.core.tensor_parallel.random": "RNG tracker: torch.cuda.get_rng_state / manual_seed / default_generators",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "inv_freq.to(torch.cuda.current_device())",
-    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": "YaRN (MLA) inv_freq moved to torch.cuda.current_device()",
-    "megatron.core.transformer.utils": 'default causal mask built with device="cuda"',
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": "YaRN (MLA, gpt-oss) inv_freq moved to torch.cuda.current_device()",
+    "megatron.core.transformer.utils": 'default and sliding-window causal masks built with device="cuda"',
+    "megatron.core.transformer.dot_product_attention": "learnable softmax offsets (attention sinks) created on torch.cuda.current_device()",
     "megatron.core.optimizer.optimizer": "found_inf / scale tensors with device='cuda'",
     "megatron.core.optimizer.clip_grads": "grad-norm tensors with device='cuda'",
     "megatron.core.utils": "GlobalMemoryBuffer on torch.cuda.current_device()",

@@ -111,4 +111,23 @@ def build_optimizer(ddp_model, lr: float, weight_decay: float, betas: tuple[floa
         bf16=ddp_model.config.bf16,
         params_dtype=ddp_model.config.params_dtype,
     )
-    return get_megatron_optimizer(config, [ddp_model])
+    optimizer = get_megatron_optimizer(config, [ddp_model])
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        _index_main_params_as_listed(part)
+    return optimizer
+
+
+def _index_main_params_as_listed(optimizer) -> None:
+    """megatron-core 0.16.1's DistributedOptimizer maps each model parameter to its (group, position) in gradient-buffer
+    order (`model_param_group_index_map`), but lists a group's main parameters fp32 model parameters first, then the
+    fp32 copies of the bf16 ones.  A group that holds both (the fp32 norms beside bf16 biases, all without weight
+    decay, in a bf16 model with biases: gpt-oss, GLM-4.5, Qwen2) then saves each parameter's optimizer state in another
+    one's place: the checkpoint asserts on the shapes or, where they agree, swaps the states.  This re-indexes the
+    positions as the group lists them."""
+    members: dict[int, list] = {}
+    for param, (group, position) in optimizer.model_param_group_index_map.items():
+        members.setdefault(group, []).append((position, param))
+    for group, indexed in members.items():
+        ordered = [param for _, param in sorted(indexed, key=lambda pair: pair[0])]
+        listed = [p for p in ordered if p.dtype == torch.float32] + [p for p in ordered if p.dtype != torch.float32]
+        optimizer.model_param_group_index_map.update({param: (group, position) for position, param in enumerate(listed)})

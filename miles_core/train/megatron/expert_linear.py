@@ -1,0 +1,22 @@
+"""The output projection of biased experts (gpt-oss) on megatron-core 0.16.1's local layer spec.
+
+An expert MLP scales its fc2 bias by the routing weights and adds it in place to the fc2 output.  With one rank
+in the expert tensor-parallel group and no expert parallelism, RowParallelLinear still passes that output through
+the tensor-parallel reduce, whose autograd function hands its input back as is; training then fails on the in-place
+add ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace").  A reduce over a group
+of one is the identity, so this projection skips it, as RowParallelLinear itself does whenever the experts are split
+over ranks (`explicit_expert_comm`).  Imported only by the megatron backend (arch_config), where such experts are built.
+"""
+
+from __future__ import annotations
+
+from megatron.core.tensor_parallel.layers import RowParallelLinear  # the optional backend's own class
+
+
+class ExpertRowParallelLinear(RowParallelLinear):
+    """An expert's fc2: its output leaves unreduced, the partial sums of its expert tensor-parallel ranks (if any)
+    summed by the token dispatcher as for split experts."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.explicit_expert_comm = True
