@@ -33,7 +33,7 @@ run: setup
 test: setup sglang-env
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not flyte and not integration"

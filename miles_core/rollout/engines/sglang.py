@@ -37,7 +37,7 @@ from pathlib import Path
 
 from miles_core.config import SGLangConfig, config_hash
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
-from miles_core.rollout.engines.sglang_server import ServerUnreachable, SGLangError, SGLangServer, free_port
+from miles_core.rollout.engines.sglang_server import ServerUnreachable, SGLangError, SGLangServer, address_toward, free_port
 from miles_core.weights import sync
 from miles_core.weights.check import check_hf_dir
 
@@ -209,13 +209,14 @@ class SGLangEngine:
     def _open_sender(self) -> sync.WeightSender:
         port, group_name = free_port(), f"miles-{uuid.uuid4().hex[:8]}"
         world = len(self.servers) + 1  # rank 0 here, one rank per server (tensor parallel size 1)
+        address = address_toward(self.servers[0].url)  # servers share the pods' network: where they reach this process
         with ThreadPoolExecutor(len(self.servers)) as pool:
             joins = [
                 pool.submit(
                     s.post,
                     "/init_weights_update_group",
                     {
-                        "master_address": "127.0.0.1",
+                        "master_address": address,
                         "master_port": port,
                         "rank_offset": rank,
                         "world_size": world,
@@ -225,7 +226,7 @@ class SGLangEngine:
                 )
                 for rank, s in enumerate(self.servers, start=1)
             ]
-            self._sender = sync.WeightSender.open("127.0.0.1", port, world, group_name, self.cfg.sync_backend, self.cfg.request_timeout_s)
+            self._sender = sync.WeightSender.open(address, port, world, group_name, self.cfg.sync_backend, self.cfg.request_timeout_s)
             for join in joins:
                 join.result()
         return self._sender

@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 # HTTP client for the servers' REST API; requests ships with the project's environment (flytekit, mlflow).
 import requests
@@ -79,6 +80,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def address_toward(url: str) -> str:
+    """This machine's address on the route to `url`'s host: where a server there connects back to (loopback for a
+    server on this machine, the pod's address for one in another pod). A UDP connect picks the route and sends nothing."""
+    parts = urlsplit(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(parts.hostname or "localhost"), parts.port or 80))
+        return s.getsockname()[0]
 
 
 class SGLangServer:
