@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from miles_core.checkpoint.arch import megatron_refusal
 from miles_core.config.base import ConfigError
-from miles_core.config.model import DENSE_ARCHS
+from miles_core.config.model import DENSE_ARCHS, MLA_ARCHS
 
 
 class Rule(NamedTuple):
@@ -102,12 +102,23 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"{c.model.arch!r} cannot train on the megatron backend: {megatron_refusal({'model_type': c.model.arch})}; use train.backend: torch",
     ),
     Rule(
+        "train.expert_parallel",
+        lambda c: _megatron(c) and not c.model.path and c.model.arch not in DENSE_ARCHS and c.train.tensor_parallel > 1,
+        lambda c: c.train.expert_parallel > 1,
+        lambda c: (
+            "MoE layers at tensor parallel > 1 need expert parallel > 1: megatron-core 0.16.1 (expert tensor parallel 1) sums "
+            "the gradients of experts kept whole on every rank over the data-parallel ranks only, yet each tensor-parallel rank's "
+            "copy saw only its own part of the sequence"
+        ),
+    ),
+    Rule(
         "train.tensor_parallel",
-        lambda c: _megatron(c) and not c.model.path and c.model.arch not in DENSE_ARCHS,
+        lambda c: _megatron(c) and not c.model.path and c.model.arch in MLA_ARCHS,
         lambda c: c.train.tensor_parallel == 1,
         lambda c: (
-            "megatron-core 0.16.1 trains MoE layers at tensor parallel > 1 only with sequence parallel, which the megatron backend "
-            "does not enable yet: use tensor_parallel 1 and split the experts with expert_parallel"
+            f"{c.model.arch!r} has multi-latent attention, which megatron-core 0.16.1's local layer spec splits over tensor-parallel "
+            "ranks through its kv down-projection, whose backward keeps only each rank's own heads' share of the gradient of the "
+            "RoPE key they all share: use tensor_parallel 1 and split the experts with expert_parallel"
         ),
     ),
     Rule(
