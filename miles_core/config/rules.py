@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from miles_core.checkpoint.arch import megatron_refusal
+from miles_core.checkpoint.arch import MLA_TP_REASON, MOE_TP_REASON, megatron_refusal
 from miles_core.config.base import ConfigError
-from miles_core.config.model import DENSE_ARCHS
+from miles_core.config.model import DENSE_ARCHS, MLA_ARCHS
 
 
 class Rule(NamedTuple):
@@ -102,13 +102,16 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"{c.model.arch!r} cannot train on the megatron backend: {megatron_refusal({'model_type': c.model.arch})}; use train.backend: torch",
     ),
     Rule(
+        "train.expert_parallel",
+        lambda c: _megatron(c) and not c.model.path and c.model.arch not in DENSE_ARCHS and c.train.tensor_parallel > 1,
+        lambda c: c.train.expert_parallel > 1,
+        lambda c: MOE_TP_REASON,
+    ),
+    Rule(
         "train.tensor_parallel",
-        lambda c: _megatron(c) and not c.model.path and c.model.arch not in DENSE_ARCHS,
+        lambda c: _megatron(c) and not c.model.path and c.model.arch in MLA_ARCHS,
         lambda c: c.train.tensor_parallel == 1,
-        lambda c: (
-            "megatron-core 0.16.1 trains MoE layers at tensor parallel > 1 only with sequence parallel, which the megatron backend "
-            "does not enable yet: use tensor_parallel 1 and split the experts with expert_parallel"
-        ),
+        lambda c: f"{c.model.arch!r} {MLA_TP_REASON}",
     ),
     Rule(
         "train.expert_parallel",

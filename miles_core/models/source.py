@@ -108,15 +108,21 @@ def _check_vocab(directory: Path, config: dict) -> None:
         )
 
 
-def _check_backend(directory: Path, config: dict, backend: str) -> None:
-    if backend != "megatron":  # the torch backend trains whatever transformers builds (check_hf_dir built it)
+def _check_backend(directory: Path, config: dict, train: TrainConfig) -> None:
+    """The megatron converter takes the family, and the backend trains it right in the recipe's parallel layout."""
+    if train.backend != "megatron":  # the torch backend trains whatever transformers builds (check_hf_dir built it)
         return
+    from miles_core.checkpoint.arch import layout_refusal
     from miles_core.checkpoint.hf_megatron import arch_spec
 
     try:
-        arch_spec(config, source=str(directory / "config.json"))
+        spec = arch_spec(config, source=str(directory / "config.json"))
     except ValueError as err:
         raise CheckpointError(f"{err} (train.backend: megatron)") from None
+    refused = layout_refusal(spec, train.tensor_parallel, train.expert_parallel)
+    if refused:
+        key, reason = refused
+        raise ConfigError(f"{key}: {reason} ({directory / 'config.json'}, train.backend: megatron)")
 
 
 def _check_engine(directory: Path, config: dict, rollout: RolloutConfig) -> None:
@@ -145,6 +151,6 @@ def admit(model_dir: str | Path, train: TrainConfig, rollout: RolloutConfig) -> 
     check_hf_dir(directory, tokenizer=True)
     config = json_object(directory / "config.json", "the model's config")
     _check_vocab(directory, config)
-    _check_backend(directory, config, train.backend)
+    _check_backend(directory, config, train)
     _check_engine(directory, config, rollout)
     check_parallel_fit(train, model_shape(config), where=f"{directory / 'config.json'}: ")

@@ -1,4 +1,4 @@
-"""The megatron backend on gloo with real megatron-core: TP/PP/EP parity, resharding, resuming (fp32, and bf16 with
+"""The megatron backend on gloo with real megatron-core: TP/PP/EP parity (TP with sequence parallel), resharding, resuming (fp32, and bf16 with
 biases), MoE, router replay, one RL step on each MLA / DeepSeek-style MoE family and gpt-oss (DeepSeek-V3 and
 gpt-oss at EP=2 and PP=2, Kimi-K2.5, GLM-4.5, GLM-4.7-Flash, DeepSeek-V2), and the CPU compatibility layer (every
 redirection it installs fires on these paths, none is missing).
@@ -36,6 +36,8 @@ def parallel_runs(root: Path) -> dict:
         "tp2": run_worker("step", root, root / "qwen2/mg", 2, 1, root / "tp2", nproc=2),
         "pp2": run_worker("step", root, root / "llama/mg", 1, 1, root / "pp2", 2, nproc=2),
         "ep2": run_worker("step", root, root / "qwen3_moe/mg", 1, 2, root / "ep2", nproc=2),
+        "tp2_ep2": run_worker("step", root, root / "qwen3_moe/mg", 2, 2, root / "tp2-ep2", nproc=2),
+        "gpt_oss_tp2_ep2": run_worker("step", root, root / "gpt_oss/mg", 2, 2, root / "gpt_oss-tp2-ep2", nproc=2),
         "resume": run_worker("resume", root, root / "qwen2/mg", root / "resumed", nproc=2),
         "resume_bf16_biased": run_worker("resume", root, root / "gpt_oss/mg", root / "resumed-bf16", "bfloat16", nproc=2),
         "replay": run_worker("replay", root, root / "qwen3_moe/mg"),
@@ -45,12 +47,13 @@ def parallel_runs(root: Path) -> dict:
         out[arch] = run_worker("step", root, root / arch / "mg", 1, ep, root / f"{arch}-step", nproc=2 if ep > 1 else 0)
     for arch in SPLIT_BY_STAGES:
         out[f"{arch}_pp2"] = run_worker("step", root, root / arch / "mg", 1, 1, root / f"{arch}-pp2", 2, nproc=2)
-    out["reloaded"] = run_worker("loss", root, root / "tp2", root / "pp2", root / "ep2")["losses"]
+    out["reloaded"] = run_worker("loss", root, root / "tp2", root / "pp2", root / "ep2", root / "tp2-ep2")["losses"]
     out["families_reloaded"] = run_worker("loss", root, *(root / f"{arch}-step" for arch in FAMILIES))["losses"]
     return out
 
 
 def test_tp1_and_tp2_train_the_same_from_one_checkpoint(runs):
+    """TP=2 runs with sequence parallel; the batch's first micro-batch has an odd length, padded for it."""
     tp1, tp2 = runs["tp1"], runs["tp2"]
     assert tp1["loss_before"] == pytest.approx(tp2["loss_before"], abs=SAME)
     assert tp1["train_loss"] == pytest.approx(tp2["train_loss"], abs=SAME)
@@ -69,8 +72,8 @@ def test_a_resumed_run_continues_exactly_with_its_optimizer_state(runs, run):
 
 
 def test_checkpoints_saved_sharded_load_unsharded_with_the_same_loss(runs):
-    """TP=2, PP=2 and EP=2 checkpoints (torch_dist) load at TP=PP=EP=1 with the loss they had."""
-    for name, reloaded in zip(("tp2", "pp2", "ep2"), runs["reloaded"]):
+    """TP=2, PP=2, EP=2 and TP=2 x EP=2 checkpoints (torch_dist) load at TP=PP=EP=1 with the loss they had."""
+    for name, reloaded in zip(("tp2", "pp2", "ep2", "tp2_ep2"), runs["reloaded"]):
         assert reloaded == pytest.approx(runs[name]["loss_after"], abs=SAME), name
 
 
@@ -100,6 +103,17 @@ def test_a_family_trains_the_same_split_by_experts_or_by_pipeline_stages(runs, a
     assert pp2["grad_norm"] == pytest.approx(ep2["grad_norm"], abs=1e-4)
 
 
+@pytest.mark.parametrize(("run", "ep2"), [("tp2_ep2", "ep2"), ("gpt_oss_tp2_ep2", "gpt_oss")])
+def test_moe_trains_the_same_at_tensor_parallel_2_with_sequence_parallel(runs, run, ep2):
+    """TP=2 (sequence parallel: norms and router on half the sequence each, tokens dispatched from both halves) x EP=2
+    against EP=2 alone: Qwen3-MoE (whose EP=2 equals one process bitwise) and gpt-oss (biased experts)."""
+    ep2, tp2 = runs[ep2], runs[run]
+    for key in ("loss_before", "train_loss", "loss_after"):
+        assert tp2[key] == pytest.approx(ep2[key], abs=SAME), key
+    assert tp2["grad_norm"] == pytest.approx(ep2["grad_norm"], abs=1e-4)
+    assert any("token_dispatcher" in hit for hit in tp2["hits"])
+
+
 def test_router_replay_reproduces_the_loss(runs):
     replay = runs["replay"]
     assert replay["layers"] == 2 and replay["shape"][1] == 2  # [tokens, top_k] per MoE layer
@@ -111,7 +125,7 @@ def test_router_replay_reproduces_the_loss(runs):
 def test_every_cpu_redirection_is_needed_and_none_is_missing(runs):
     """Fails when megatron-core stops needing a redirection (it never fires) and when a new CUDA call
     appears on these paths (the runs above fail with "not compiled with CUDA")."""
-    hits = set().union(*(runs[k]["hits"] for k in ("tp1", "tp2", "pp2", "ep2", *FAMILIES)))
+    hits = set().union(*(runs[k]["hits"] for k in ("tp1", "tp2", "pp2", "ep2", "tp2_ep2", *FAMILIES)))
     expected = [f"{m}:" for m in cpu_compat.TORCH_VIEW_MODULES] + [f"{f}: Tensor.type" for f in cpu_compat.TYPE_NAME_FUNCTIONS]
     expected += [f"{path.split(':')[0]}: {path.split(':')[1]}" for path in cpu_compat.REPLACED_FUNCTIONS]
     unused = [e for e in expected if not any(h.startswith(e) for h in hits)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from miles_core.config import AlgoConfig, ConfigError, RunConfig, load_recipe
+from miles_core.config.model import MLA_ARCHS
 from miles_core.config.rules import PARALLEL_SPLITS, RULES
 
 MEGATRON = {"train.backend": "megatron"}
@@ -53,7 +54,13 @@ CASES = [
     (
         "tp_moe",
         {**MEGATRON, "train.tensor_parallel": 2, "model.arch": "qwen3_moe"},
-        "train.tensor_parallel: megatron-core 0.16.1 trains MoE layers at tensor parallel > 1 only with sequence parallel",
+        "train.expert_parallel: MoE layers at tensor parallel > 1 need expert parallel > 1",
+        {"train.expert_parallel": 2},
+    ),
+    (
+        "tp_mla",
+        {**MEGATRON, "train.tensor_parallel": 2, "train.expert_parallel": 2, "model.arch": "deepseek_v3"},
+        "train.tensor_parallel: 'deepseek_v3' has multi-latent attention, which megatron-core 0.16.1's local layer spec splits",
         {"train.tensor_parallel": 1},
     ),
     (
@@ -136,11 +143,16 @@ def test_every_rule_of_the_table_has_a_case():
     assert {c[2].split(":")[0] for c in CASES} == {rule.key for rule in RULES} | {f"train.{size}" for size, _ in PARALLEL_SPLITS}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe", "gpt_oss"])
-def test_every_moe_family_megatron_trains_is_refused_at_tensor_parallel_2(tmp_path, arch):
-    with pytest.raises(ConfigError, match="train.tensor_parallel: megatron-core 0.16.1 trains MoE layers at tensor parallel > 1"):
-        load_recipe(recipe(tmp_path), {**MEGATRON, "train.tensor_parallel": 2, "model.arch": arch})
-    assert load_recipe(recipe(tmp_path), {**MEGATRON, "train.tensor_parallel": 1, "model.arch": arch}).model.arch == arch
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "gpt_oss", "deepseek_v3", "kimi_k25"])
+def test_every_moe_family_megatron_trains_takes_tensor_parallel_2_with_split_experts_unless_it_has_mla(tmp_path, arch):
+    tp2 = {**MEGATRON, "train.tensor_parallel": 2, "model.arch": arch}
+    with pytest.raises(ConfigError, match="train.expert_parallel: MoE layers at tensor parallel > 1 need expert parallel > 1"):
+        load_recipe(recipe(tmp_path), tp2)
+    if arch in MLA_ARCHS:
+        with pytest.raises(ConfigError, match=f"train.tensor_parallel: '{arch}' has multi-latent attention"):
+            load_recipe(recipe(tmp_path), {**tp2, "train.expert_parallel": 2})
+    else:
+        assert load_recipe(recipe(tmp_path), {**tp2, "train.expert_parallel": 2}).train.tensor_parallel == 2
 
 
 def test_a_checkpoint_path_defers_the_shape_rules_to_its_admission(tmp_path):

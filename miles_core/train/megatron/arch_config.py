@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +138,7 @@ def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype, routing_rep
         pipeline_model_parallel_size=parallel.pipeline,
         expert_model_parallel_size=parallel.expert,
         expert_tensor_parallel_size=1,
-        sequence_parallel=False,
+        sequence_parallel=parallel.tensor > 1,  # megatron-core trains MoE at TP > 1 only so; dense layers too, as Megatron-LM recipes do
         **_CPU_SAFE,
         **_activation(spec),
         **_attention(spec),
@@ -178,13 +178,29 @@ def _adapted(spec: ArchSpec, layer):
     return layer
 
 
-def layer_spec(spec: ArchSpec, config):
-    """Local (no TransformerEngine) layer specs: one for every layer, or per layer where dense layers precede MoE ones."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+def _sequence_parallel_norms(part):
+    """A spec (or part of one) with every norm of the local spec (torch's, or Apex's LayerNorm where Apex is installed)
+    replaced by the RMSNorm that also takes sequence parallel."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if not spec.num_experts:
-        return _adapted(spec, get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=spec.mla is not None, normalization="RMSNorm"))
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    from miles_core.train.megatron.norm import SequenceParallelRMSNorm
+
+    if part in (WrappedTorchNorm, FusedLayerNorm):
+        return SequenceParallelRMSNorm
+    if isinstance(part, list):
+        return [_sequence_parallel_norms(p) for p in part]
+    if is_dataclass(part) and not isinstance(part, type):
+        return replace(part, **{f.name: _sequence_parallel_norms(getattr(part, f.name)) for f in fields(part) if f.init})
+    return part
+
+
+def layer_spec(spec: ArchSpec, config):
+    """This pipeline stage's layers on the local (no TransformerEngine) spec, dense and MoE layers each as the config
+    says, with norm.py's norm and our own parts where a family needs them."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = _sequence_parallel_norms(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"))
     return replace(block, layer_specs=[_adapted(spec, layer) for layer in block.layer_specs])
 
 

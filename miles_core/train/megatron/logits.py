@@ -3,13 +3,15 @@
 With tensor parallelism each rank holds a slice of the (padded) vocabulary: log-probs come from
 megatron-core's `vocab_parallel_cross_entropy`, and the entropy from an all-reduce of the
 slice-wise partition sums (with gradient), so neither gathers the full [b, L, V] logits.
-The padding rows of the vocabulary are masked out, so both equal the HF model's values.
+The padding rows of the vocabulary are masked out, so both equal the HF model's values; so are the positions the
+model's input gets under sequence parallel, which only makes its length a multiple of the tensor-parallel size.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from miles_core.train.base import PackedBatch
 
@@ -18,6 +20,16 @@ _MASKED = -1e30  # a padded vocab entry's logit: exp() is 0 and 0 * logit stays 
 
 def positions(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(input_ids.shape[1]).expand_as(input_ids)  # [b, L]
+
+
+def padded_for_sequence_parallel(input_ids: torch.Tensor) -> torch.Tensor:
+    """The model's input [b, L'], L' the next multiple of the tensor-parallel size: sequence parallel splits the
+    sequence over the tensor-parallel ranks.  Padded on the right, which a causal model never attends to from an
+    earlier position; `response_logprobs_entropy` reads the batch's own positions only."""
+    from megatron.core import parallel_state
+
+    extra = -input_ids.shape[1] % parallel_state.get_tensor_model_parallel_world_size()
+    return F.pad(input_ids, (0, extra))
 
 
 def _mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -49,7 +61,8 @@ def response_logprobs_entropy(output: torch.Tensor, batch: PackedBatch, temperat
     """(log-probs [b, T], entropy [b, T]) of the response tokens, 0 on padding; in the graph."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = _mask_vocab_padding(output[:, :-1].float() / temperature, vocab_size)  # [b, L-1, V_local]
+    length = batch.input_ids.shape[1]
+    logits = _mask_vocab_padding(output[:, : length - 1].float() / temperature, vocab_size)  # [b, L-1, V_local]
     entropy = _vocab_parallel_entropy(logits)  # [b, L-1]
     logprobs = -vocab_parallel_cross_entropy(logits, batch.input_ids[:, 1:])  # [b, L-1]
     return (logprobs.gather(1, batch.gather_index) * batch.response_mask, entropy.gather(1, batch.gather_index) * batch.response_mask)

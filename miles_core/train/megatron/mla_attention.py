@@ -6,7 +6,7 @@
   output by `kv_channels`.  Its forward pass already handles a value head size other than the query/key
   one (the softmax scale comes from MLA), so the subclass only takes the two sizes and sizes the output
   by the value heads.
-* LatentRMSNorm: megatron-core gives the q and kv latent norms the model's layernorm_epsilon,
+* LatentRMSNorm (norm.py's RMSNorm): megatron-core gives the q and kv latent norms the model's layernorm_epsilon,
   transformers a fixed 1e-6; this keeps transformers' (GLM-4.7-Flash's rms_norm_eps is 1e-5).
 * Without TransformerEngine the MLA module's TE flag is set right (below).
 Imported only by the megatron backend (arch_config), where MLA is built."""
@@ -17,8 +17,9 @@ import importlib.util
 
 from megatron.core.transformer import multi_latent_attention  # the optional backend's own modules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.utils import divide
+
+from miles_core.train.megatron.norm import SequenceParallelRMSNorm
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepSeek-V3 and GLM-4.7-Flash build the q/kv latent norms with it, whatever rms_norm_eps says
 
@@ -35,8 +36,9 @@ class LatentDotProductAttention(DotProductAttention):
             self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads, self.tp_group.size())  # [sq, b, heads * v_head_dim]
 
 
-class LatentRMSNorm:
-    """The RMSNorm of MLA's q and kv latents (megatron's own norm), with transformers' epsilon."""
+class LatentRMSNorm(SequenceParallelRMSNorm):
+    """The RMSNorm of MLA's q and kv latents (each rank's part of the sequence under sequence parallel), with
+    transformers' epsilon."""
 
-    def __new__(cls, config, hidden_size: int, eps: float = LATENT_NORM_EPS, **kwargs):
-        return WrappedTorchNorm(config, hidden_size, eps=LATENT_NORM_EPS, **kwargs)
+    def __init__(self, config, hidden_size: int, eps: float = LATENT_NORM_EPS, **kwargs):
+        super().__init__(config, hidden_size, eps=LATENT_NORM_EPS)

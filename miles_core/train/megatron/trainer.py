@@ -143,8 +143,9 @@ class MegatronTrainer(TrainerBase):
 
         def step(data_iterator, model):
             micro = next(data_iterator)
+            input_ids = vocab.padded_for_sequence_parallel(micro.batch.input_ids)
             with self.routing.around_forward():
-                output = model(input_ids=micro.batch.input_ids, position_ids=vocab.positions(micro.batch.input_ids), attention_mask=None)
+                output = model(input_ids=input_ids, position_ids=vocab.positions(input_ids), attention_mask=None)
             return output, functools.partial(loss_of, micro)
 
         return get_forward_backward_func()(
@@ -152,7 +153,7 @@ class MegatronTrainer(TrainerBase):
             data_iterator=iter(micro_batches),
             model=[self.ddp],
             num_microbatches=len(micro_batches),
-            seq_length=micro_batches[0].batch.input_ids.shape[1],
+            seq_length=vocab.padded_for_sequence_parallel(micro_batches[0].batch.input_ids).shape[1],
             micro_batch_size=len(micro_batches[0].batch),
             forward_only=forward_only,
         )
