@@ -35,6 +35,7 @@ from tasks.common import (
     Dataset,
     Policy,
     cache_version,
+    member,
     new_artifact,
     stored_dir,
     uploaded_dir,
@@ -99,7 +100,8 @@ def async_phase(
     root: str,
     code: str,
 ) -> AsyncPhaseResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
-    shape = {"scored": True, "reward_range": (reward.min, reward.max), "vocab_size": vocab_size(policy.dir.download()), "group_size": rollout.n_samples}
+    vocab = vocab_size(str(member(policy.dir, "config.json").parent))  # the weights are the actors' to fetch, not this pod's
+    shape = {"scored": True, "reward_range": (reward.min, reward.max), "vocab_size": vocab, "group_size": rollout.n_samples}
     waiting = read_batch(buffer.download(), **shape) if buffer is not None else []
     spec = PhaseSpec(
         cfg=cfg,
