@@ -58,17 +58,12 @@ REFUSALS = {
         "megatron-core 0.16.1's TransformerConfig"
     ),
 }
-# what megatron-core 0.16.1's local layer spec trains wrong at tensor parallel > 1 (the rules of rules.py for the tiny
-# models, `layout_refusal` at admission for a checkpoint)
+# what megatron-core 0.16.1 trains wrong at tensor parallel > 1 (the rule of rules.py for the tiny models,
+# `layout_refusal` at admission for a checkpoint)
 MOE_TP_REASON = (
     "MoE layers at tensor parallel > 1 need expert parallel > 1: megatron-core 0.16.1 (expert tensor parallel 1) sums "
     "the gradients of experts kept whole on every rank over the data-parallel ranks only, yet each tensor-parallel rank's "
     "copy saw only its own part of the sequence"
-)
-MLA_TP_REASON = (
-    "has multi-latent attention, which megatron-core 0.16.1's local layer spec splits over tensor-parallel ranks through "
-    "its kv down-projection, whose backward keeps only each rank's own heads' share of the gradient of the RoPE key they "
-    "all share: use tensor_parallel 1 and split the experts with expert_parallel"
 )
 for _kind, _text in (("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text"), ("llama4", "llama4_text"), ("glm5_next", "glm5_next_text")):
     REFUSALS[_text] = REFUSALS[_kind]
@@ -330,8 +325,6 @@ def arch_spec(hf_config: dict, source: str = "config.json") -> ArchSpec:
 
 def layout_refusal(spec: ArchSpec, tensor_parallel: int, expert_parallel: int) -> tuple[str, str] | None:
     """(key, reason) when the megatron backend would train this checkpoint wrong in that parallel layout, else None."""
-    if spec.mla is not None and tensor_parallel > 1:
-        return "train.tensor_parallel", f"{spec.model_type!r} {MLA_TP_REASON}"
     if spec.num_experts and tensor_parallel > 1 and expert_parallel == 1:
         return "train.expert_parallel", MOE_TP_REASON
     return None

@@ -13,7 +13,6 @@ FAMILY_ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "deepseek
 FAMILY_ARCHS += ("glm4_moe", "glm_moe_dsa", "glm5_next", "llama4", "gpt_oss", "minimax_m2", "nemotron_h")
 MODEL_ARCHS = FIRST_ARCHS + FAMILY_ARCHS
 DENSE_ARCHS = ("qwen2", "qwen3", "llama", "qwen3_5")  # every other arch has MoE layers (experts to split over ranks)
-MLA_ARCHS = ("deepseek_v3", "kimi_k25")  # the archs with multi-latent attention that the megatron backend trains
 # layers a family needs to hold each of its layer kinds (dense + MoE, linear + full attention, sliding + compressed ...)
 MIN_LAYERS = {"deepseek_v4": 3, "nemotron_h": 3, "glm5_next": 4, "llama4": 4}
 MIN_LAYERS |= dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "deepseek_v32", "kimi_k25", "glm4_moe", "glm_moe_dsa", "gpt_oss"), 2)

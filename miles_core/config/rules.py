@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from miles_core.checkpoint.arch import MLA_TP_REASON, MOE_TP_REASON, megatron_refusal
+from miles_core.checkpoint.arch import MOE_TP_REASON, megatron_refusal
 from miles_core.config.base import ConfigError
-from miles_core.config.model import DENSE_ARCHS, MLA_ARCHS
+from miles_core.config.model import DENSE_ARCHS
 
 
 class Rule(NamedTuple):
@@ -106,12 +106,6 @@ RULES: tuple[Rule, ...] = (
         lambda c: _megatron(c) and not c.model.path and c.model.arch not in DENSE_ARCHS and c.train.tensor_parallel > 1,
         lambda c: c.train.expert_parallel > 1,
         lambda c: MOE_TP_REASON,
-    ),
-    Rule(
-        "train.tensor_parallel",
-        lambda c: _megatron(c) and not c.model.path and c.model.arch in MLA_ARCHS,
-        lambda c: c.train.tensor_parallel == 1,
-        lambda c: f"{c.model.arch!r} {MLA_TP_REASON}",
     ),
     Rule(
         "train.expert_parallel",

@@ -1,7 +1,8 @@
 """The megatron backend on gloo with real megatron-core: TP/PP/EP parity (TP with sequence parallel), resharding, resuming (fp32, and bf16 with
 biases), MoE, router replay, one RL step on each MLA / DeepSeek-style MoE family and gpt-oss (DeepSeek-V3 and
-gpt-oss at EP=2 and PP=2, Kimi-K2.5, GLM-4.5, GLM-4.7-Flash, DeepSeek-V2), and the CPU compatibility layer (every
-redirection it installs fires on these paths, none is missing).
+gpt-oss at EP=2 and PP=2, Kimi-K2.5, GLM-4.5, GLM-4.7-Flash, DeepSeek-V2), multi-latent attention at TP=2 (with and
+without a query down-projection), and the CPU compatibility layer (every redirection it installs fires on these
+paths, none is missing).
 
 One module-scoped set of runs from converted tiny checkpoints; each test reads its part.
 """
@@ -27,6 +28,7 @@ def runs():
 
 FAMILIES = {"deepseek_v3": 2, "kimi_k25": 1, "glm4_moe": 1, "glm4_moe_lite": 1, "deepseek_v2": 1, "gpt_oss": 2}  # family -> expert parallel size of its step
 SPLIT_BY_STAGES = ("deepseek_v3", "gpt_oss")  # families also stepped at PP=2, against their EP=2 step
+RESHARDED = ("tp2", "pp2", "ep2", "tp2_ep2", "deepseek_v3_tp2_ep2")  # runs whose checkpoints (saved split, in root / run) reload whole
 
 
 def parallel_runs(root: Path) -> dict:
@@ -36,8 +38,10 @@ def parallel_runs(root: Path) -> dict:
         "tp2": run_worker("step", root, root / "qwen2/mg", 2, 1, root / "tp2", nproc=2),
         "pp2": run_worker("step", root, root / "llama/mg", 1, 1, root / "pp2", 2, nproc=2),
         "ep2": run_worker("step", root, root / "qwen3_moe/mg", 1, 2, root / "ep2", nproc=2),
-        "tp2_ep2": run_worker("step", root, root / "qwen3_moe/mg", 2, 2, root / "tp2-ep2", nproc=2),
+        "tp2_ep2": run_worker("step", root, root / "qwen3_moe/mg", 2, 2, root / "tp2_ep2", nproc=2),
         "gpt_oss_tp2_ep2": run_worker("step", root, root / "gpt_oss/mg", 2, 2, root / "gpt_oss-tp2-ep2", nproc=2),
+        "deepseek_v3_tp2_ep2": run_worker("step", root, root / "deepseek_v3/mg", 2, 2, root / "deepseek_v3_tp2_ep2", nproc=2),
+        "deepseek_v2_tp2_ep2": run_worker("step", root, root / "deepseek_v2/mg", 2, 2, root / "deepseek_v2_tp2_ep2", nproc=2),
         "resume": run_worker("resume", root, root / "qwen2/mg", root / "resumed", nproc=2),
         "resume_bf16_biased": run_worker("resume", root, root / "gpt_oss/mg", root / "resumed-bf16", "bfloat16", nproc=2),
         "replay": run_worker("replay", root, root / "qwen3_moe/mg"),
@@ -47,7 +51,7 @@ def parallel_runs(root: Path) -> dict:
         out[arch] = run_worker("step", root, root / arch / "mg", 1, ep, root / f"{arch}-step", nproc=2 if ep > 1 else 0)
     for arch in SPLIT_BY_STAGES:
         out[f"{arch}_pp2"] = run_worker("step", root, root / arch / "mg", 1, 1, root / f"{arch}-pp2", 2, nproc=2)
-    out["reloaded"] = run_worker("loss", root, root / "tp2", root / "pp2", root / "ep2", root / "tp2-ep2")["losses"]
+    out["reloaded"] = run_worker("loss", root, *(root / name for name in RESHARDED))["losses"]
     out["families_reloaded"] = run_worker("loss", root, *(root / f"{arch}-step" for arch in FAMILIES))["losses"]
     return out
 
@@ -72,8 +76,9 @@ def test_a_resumed_run_continues_exactly_with_its_optimizer_state(runs, run):
 
 
 def test_checkpoints_saved_sharded_load_unsharded_with_the_same_loss(runs):
-    """TP=2, PP=2, EP=2 and TP=2 x EP=2 checkpoints (torch_dist) load at TP=PP=EP=1 with the loss they had."""
-    for name, reloaded in zip(("tp2", "pp2", "ep2", "tp2_ep2"), runs["reloaded"]):
+    """TP=2, PP=2, EP=2 and TP=2 x EP=2 checkpoints (torch_dist; DeepSeek-V3's MLA among them) load at TP=PP=EP=1 with
+    the loss they had."""
+    for name, reloaded in zip(RESHARDED, runs["reloaded"]):
         assert reloaded == pytest.approx(runs[name]["loss_after"], abs=SAME), name
 
 
@@ -103,10 +108,15 @@ def test_a_family_trains_the_same_split_by_experts_or_by_pipeline_stages(runs, a
     assert pp2["grad_norm"] == pytest.approx(ep2["grad_norm"], abs=1e-4)
 
 
-@pytest.mark.parametrize(("run", "ep2"), [("tp2_ep2", "ep2"), ("gpt_oss_tp2_ep2", "gpt_oss")])
+@pytest.mark.parametrize(
+    ("run", "ep2"),
+    [("tp2_ep2", "ep2"), ("gpt_oss_tp2_ep2", "gpt_oss"), ("deepseek_v3_tp2_ep2", "deepseek_v3"), ("deepseek_v2_tp2_ep2", "deepseek_v2")],
+)
 def test_moe_trains_the_same_at_tensor_parallel_2_with_sequence_parallel(runs, run, ep2):
     """TP=2 (sequence parallel: norms and router on half the sequence each, tokens dispatched from both halves) x EP=2
-    against EP=2 alone: Qwen3-MoE (whose EP=2 equals one process bitwise) and gpt-oss (biased experts)."""
+    against EP=2 alone (against one process for DeepSeek-V2, stepped at EP=1): Qwen3-MoE (whose EP=2 equals one
+    process bitwise), gpt-oss (biased experts), and multi-latent attention, whose RoPE key every rank's heads share:
+    DeepSeek-V3 (query and kv down-projections) and DeepSeek-V2 (kv only)."""
     ep2, tp2 = runs[ep2], runs[run]
     for key in ("loss_before", "train_loss", "loss_after"):
         assert tp2[key] == pytest.approx(ep2[key], abs=SAME), key

@@ -184,14 +184,16 @@ def test_the_shape_megatron_splits_is_read_from_each_familys_keys(config, shape)
 @pytest.mark.parametrize(
     "arch, layout, refused",
     [
-        ("deepseek_v3", {"tensor_parallel": 2, "expert_parallel": 2}, r"train.tensor_parallel: 'deepseek_v3' has multi-latent attention"),
+        ("deepseek_v3", {"tensor_parallel": 2, "expert_parallel": 1}, r"train.expert_parallel: MoE layers at tensor parallel > 1 need expert parallel > 1"),
+        ("deepseek_v3", {"tensor_parallel": 2, "expert_parallel": 2}, None),
         ("qwen3_moe", {"tensor_parallel": 2, "expert_parallel": 1}, r"train.expert_parallel: MoE layers at tensor parallel > 1 need expert parallel > 1"),
         ("qwen3_moe", {"tensor_parallel": 2, "expert_parallel": 2}, None),
         ("deepseek_v3", {"tensor_parallel": 1, "expert_parallel": 2}, None),
     ],
 )
 def test_a_checkpoint_is_refused_in_a_layout_megatron_would_train_wrong(tmp_path, arch, layout, refused):
-    """What rules.py refuses for the tiny models, admission refuses for a user's checkpoint (a real DeepSeek-V3 at TP 8)."""
+    """What rules.py refuses for the tiny models, admission refuses for a user's checkpoint (a real Qwen3-MoE at TP 2 without EP); DeepSeek-V3's
+    multi-latent attention is admitted at TP 2."""
     model = ModelConfig(arch=arch, hidden_size=64, num_heads=4, num_kv_heads=4, intermediate_size=128, num_experts=4, moe_intermediate_size=32)
     directory = build_tiny_model(model, str(tmp_path))
     train = TrainConfig(backend="megatron", nproc_per_node=2, **layout)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from miles_core.config import AlgoConfig, ConfigError, RunConfig, load_recipe
-from miles_core.config.model import MLA_ARCHS
 from miles_core.config.rules import PARALLEL_SPLITS, RULES
 
 MEGATRON = {"train.backend": "megatron"}
@@ -56,12 +55,6 @@ CASES = [
         {**MEGATRON, "train.tensor_parallel": 2, "model.arch": "qwen3_moe"},
         "train.expert_parallel: MoE layers at tensor parallel > 1 need expert parallel > 1",
         {"train.expert_parallel": 2},
-    ),
-    (
-        "tp_mla",
-        {**MEGATRON, "train.tensor_parallel": 2, "train.expert_parallel": 2, "model.arch": "deepseek_v3"},
-        "train.tensor_parallel: 'deepseek_v3' has multi-latent attention, which megatron-core 0.16.1's local layer spec splits",
-        {"train.tensor_parallel": 1},
     ),
     (
         "megatron_arch",
@@ -144,15 +137,12 @@ def test_every_rule_of_the_table_has_a_case():
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "gpt_oss", "deepseek_v3", "kimi_k25"])
-def test_every_moe_family_megatron_trains_takes_tensor_parallel_2_with_split_experts_unless_it_has_mla(tmp_path, arch):
+def test_every_moe_family_megatron_trains_takes_tensor_parallel_2_with_split_experts(tmp_path, arch):
+    """Multi-latent attention (deepseek_v3, kimi_k25) included: its down-projections are whole on every rank."""
     tp2 = {**MEGATRON, "train.tensor_parallel": 2, "model.arch": arch}
     with pytest.raises(ConfigError, match="train.expert_parallel: MoE layers at tensor parallel > 1 need expert parallel > 1"):
         load_recipe(recipe(tmp_path), tp2)
-    if arch in MLA_ARCHS:
-        with pytest.raises(ConfigError, match=f"train.tensor_parallel: '{arch}' has multi-latent attention"):
-            load_recipe(recipe(tmp_path), {**tp2, "train.expert_parallel": 2})
-    else:
-        assert load_recipe(recipe(tmp_path), {**tp2, "train.expert_parallel": 2}).train.tensor_parallel == 2
+    assert load_recipe(recipe(tmp_path), {**tp2, "train.expert_parallel": 2}).train.tensor_parallel == 2
 
 
 def test_a_checkpoint_path_defers_the_shape_rules_to_its_admission(tmp_path):

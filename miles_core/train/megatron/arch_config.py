@@ -147,13 +147,15 @@ def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype, routing_rep
     )
 
 
-def _latent_core_attention(layer):
-    """An MLA layer spec with the core attention that takes MLA's head sizes and HF's latent norms (mla_attention.py)."""
-    from miles_core.train.megatron.mla_attention import LatentDotProductAttention, LatentRMSNorm
+def _latent_attention(layer):
+    """An MLA layer spec with whole down-projections on every tensor-parallel rank, the core attention that takes MLA's
+    head sizes and HF's latent norms (mla_attention.py)."""
+    from miles_core.train.megatron.mla_attention import LatentAttention, LatentDotProductAttention, LatentRMSNorm
 
     attention = layer.submodules.self_attention
     parts = replace(attention.submodules, core_attention=LatentDotProductAttention, q_layernorm=LatentRMSNorm, kv_layernorm=LatentRMSNorm)
-    return replace(layer, submodules=replace(layer.submodules, self_attention=replace(attention, submodules=parts)))
+    attention = replace(attention, module=LatentAttention, submodules=parts)
+    return replace(layer, submodules=replace(layer.submodules, self_attention=attention))
 
 
 def _unreduced_expert_output(layer):
@@ -172,7 +174,7 @@ def _unreduced_expert_output(layer):
 def _adapted(spec: ArchSpec, layer):
     """The local spec's layer with our own parts where a family needs them: MLA's core attention, biased experts' fc2."""
     if spec.mla:
-        layer = _latent_core_attention(layer)
+        layer = _latent_attention(layer)
     if spec.linear_bias and spec.num_experts:
         layer = _unreduced_expert_output(layer)
     return layer

@@ -6,6 +6,13 @@
   output by `kv_channels`.  Its forward pass already handles a value head size other than the query/key
   one (the softmax scale comes from MLA), so the subclass only takes the two sizes and sizes the output
   by the value heads.
+* LatentAttention: MLASelfAttention whose q and kv down-projections are whole on every tensor-parallel rank
+  (ReplicatedLinear), as TransformerEngine's spec builds them.  The local spec's column-parallel down-projection
+  splits the latent and the RoPE key over the ranks and gathers them; its backward keeps each rank's share of the
+  gather's gradient, yet every rank's heads use the whole RoPE key, so each share misses the other ranks' heads.
+  Whole on every rank, each computes its own part of the sequence (sequence parallel, on at TP > 1), and MLA gathers
+  the RoPE key over the ranks, whose backward sums the heads' gradients; the weights' gradients, each from a part of
+  the sequence, are summed over the ranks by finalize_model_grads (marked `sequence_parallel`, as norm.py's norms).
 * LatentRMSNorm (norm.py's RMSNorm): megatron-core gives the q and kv latent norms the model's layernorm_epsilon,
   transformers a fixed 1e-6; this keeps transformers' (GLM-4.7-Flash's rms_norm_eps is 1e-5).
 * Without TransformerEngine the MLA module's TE flag is set right (below).
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
 from megatron.core.transformer import multi_latent_attention  # the optional backend's own modules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.utils import divide
@@ -42,3 +50,28 @@ class LatentRMSNorm(SequenceParallelRMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = LATENT_NORM_EPS, **kwargs):
         super().__init__(config, hidden_size, eps=LATENT_NORM_EPS)
+
+
+class ReplicatedLinear(torch.nn.Module):
+    """A bias-free linear layer whole on every tensor-parallel rank, applied to the rank's own tokens; its weight's
+    gradient summed over the ranks under sequence parallel.  Returns (output, None) as megatron's linear layers do."""
+
+    def __init__(self, input_size: int, output_size: int, config):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        with torch.no_grad():
+            config.init_method(self.weight)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states):
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+class LatentAttention(multi_latent_attention.MLASelfAttention):
+    """MLASelfAttention with its down-projections whole on every tensor-parallel rank (module docstring)."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if config.q_lora_rank is not None:
+            self.linear_q_down_proj = ReplicatedLinear(config.hidden_size, config.q_lora_rank, config)
+        self.linear_kv_down_proj = ReplicatedLinear(config.hidden_size, config.kv_lora_rank + config.qk_pos_emb_head_dim, config)
