@@ -10,6 +10,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PYFLYTE = Path(sys.executable).parent / "pyflyte"
+# The files that take minutes (pytest --durations), longest first. `make test` hands whole files to two workers in
+# collection order (xdist --dist loadfile): started first, they run beside the short files instead of after them.
+LONGEST_FIRST = (
+    "tests/flyte/test_learning.py",
+    "tests/integration/test_megatron_parallel.py",
+    "tests/flyte/test_families.py",
+    "tests/pods/test_rl_pods.py",
+    "tests/pods/test_async_pods.py",
+    "tests/integration/test_sglang.py",
+    "tests/flyte/test_run.py",
+    "tests/flyte/test_async_run.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
 def workflow_command(recipe: str, root: Path, *overrides: str, workflow: tuple[str, str] = ("workflows/rl.py", "rl")) -> list[str]:

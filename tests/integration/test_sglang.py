@@ -161,7 +161,7 @@ def test_greedy_equals_torch_engine_after_distributed_updates(engine, policies):
         assert greedy_tokens(out) == greedy_tokens(TorchEngine(policies[1], 3).generate(PROMPTS, GREEDY))
         assert {gens[0].weight_version for gens in out} == {3}
     finally:
-        attached._close_sender()  # the server belongs to the module's engine
+        attached.close()  # closes its weight-update group; the attached server belongs to the module's engine
     engine.weight_version = None  # the shared server now holds v3: make the next load_weights publish
 
 
@@ -197,7 +197,7 @@ def test_pause_abort_and_update_during_generation(engine, policies):
     resubmitted = engine.resubmitted_sequences
     running = threading.Thread(target=lambda: answer.update(across=engine.generate(PROMPTS, long_params)))
     running.start()
-    while not any(engine._in_flight.values()):  # update as soon as the generation is on the server
+    while not engine.in_flight:  # update as soon as the generation is on the server
         time.sleep(0.005)
     engine.load_weights(policies[1], 1)
     running.join(timeout=300)

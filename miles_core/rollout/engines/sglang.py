@@ -65,6 +65,11 @@ class SGLangEngine:
             self.load_weights(policy_dir, version)
         self._pool = ThreadPoolExecutor(cfg.max_concurrency * len(self.servers))
 
+    @property
+    def in_flight(self) -> int:
+        """Requests sent to the servers and not yet answered."""
+        return sum(self._in_flight.values())
+
     # ---- generation -------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
