@@ -81,6 +81,7 @@ def run_async(cfg, start, prompts, ckpt_dir: str, steps: int, out: str):
         algo=cfg.algo,
         train=cfg.train,
         hooks=cfg.hooks,
+        health=cfg.health,
         source_fn=plugin(cfg.data, "data", "source_fn"),
         seed=cfg.data.seed,
         prompts=prompts,

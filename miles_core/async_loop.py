@@ -39,7 +39,7 @@ import torch
 
 from miles_core import step
 from miles_core.async_buffer import SampleBuffer, draw_of, phase_summary
-from miles_core.config import AlgoConfig, AsyncConfig, HooksConfig, RewardConfig, RolloutConfig, TrainConfig
+from miles_core.config import AlgoConfig, AsyncConfig, HealthConfig, HooksConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, Prompt
 from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine
@@ -69,6 +69,7 @@ class PhaseSpec:
     algo: AlgoConfig
     train: TrainConfig
     hooks: HooksConfig
+    health: HealthConfig
     source_fn: object  # the data.source_fn plug-point, resolved
     seed: int  # data.seed
     prompts: list[Prompt]
@@ -229,6 +230,7 @@ class AsyncTrainer:
                 s.metadata = {**s.metadata, "trainer_version": self.version}
             staleness = [self.version - s.weight_version for s in samples]
             metrics = score_batch(samples, self.fns, self.tokenizer, iteration)  # every group was scored by its rollout actor
+            metrics |= {"async/staleness_mean": statistics.fmean(staleness), "async/staleness_max": float(max(staleness))}
             metrics.update(train_step(self.trainer, samples, self.fns, self.tokenizer.pad_token_id, self.reference, None, iteration))
             self.version += 1
             due = (i + 1) % spec.cfg.update_weights_interval == 0 and i + 1 < spec.steps
@@ -237,8 +239,6 @@ class AsyncTrainer:
                     "async/trainer_idle_s": idle,
                     "async/weight_push_s": self._push(buffer, workers) if due else 0.0,
                     "async/queue_depth": float(depth),
-                    "async/staleness_mean": statistics.fmean(staleness),
-                    "async/staleness_max": float(max(staleness)),
                     "async/weight_version": float(self.version),
                     "rollout/response_length": statistics.fmean(len(s.response_tokens) for s in samples),
                 }
@@ -293,7 +293,7 @@ class AsyncTrainer:
 
 
 def spec_fns(spec: PhaseSpec) -> StepFns:
-    return bind(rollout=spec.rollout, reward=spec.reward, algo=spec.algo, hooks=spec.hooks)
+    return bind(rollout=spec.rollout, reward=spec.reward, algo=spec.algo, hooks=spec.hooks, health=spec.health)
 
 
 def placement(group: str, gpus: int) -> dict:

@@ -26,12 +26,13 @@ from collections.abc import Callable
 
 import torch
 
+from miles_core import health
 from miles_core.algos.corrections import mismatch_metrics
 from miles_core.algos.kl import kl_penalty
 from miles_core.algos.losses import loss_weights
 from miles_core.algos.objective import critic_loss
 from miles_core.chat import prompt_tokens
-from miles_core.config import AlgoConfig, EvalConfig, HooksConfig, RewardConfig, RolloutConfig
+from miles_core.config import AlgoConfig, EvalConfig, HealthConfig, HooksConfig, RewardConfig, RolloutConfig
 from miles_core.data.source import Prompt
 from miles_core.plugins import plugin
 from miles_core.rewards.base import Response
@@ -54,6 +55,7 @@ class StepFns:
     algo: AlgoConfig
     hooks: HooksConfig
     evaluation: EvalConfig
+    health: HealthConfig
     rollout_fn: Callable
     generate_fn: Callable  # with rollout_cfg bound when it takes it (e.g. multi-turn settings)
     dynamic_filter_fn: Callable
@@ -83,13 +85,14 @@ def bind(
     algo: AlgoConfig = AlgoConfig(),  # noqa: B008 (frozen)
     hooks: HooksConfig = HooksConfig(),
     evaluation: EvalConfig = EvalConfig(),
+    health: HealthConfig = HealthConfig(),
 ) -> StepFns:  # noqa: B008 (frozen dataclasses)
     """Resolve every plug-point of the step from its config sections (a bad path fails here, naming its field)."""
     sections = {"rollout": rollout, "reward": reward, "algo": algo, "hooks": hooks}
     resolved = {name: plugin(cfg, section, name) for section, cfg in sections.items() for name in _PLUGPOINTS_OF[section]}
     resolved["generate_fn"] = _given(resolved["generate_fn"], "rollout_cfg", rollout)
     resolved["reward_fn"] = _given(plugin(reward, "reward", "fn"), "reward_cfg", reward)
-    return StepFns(**sections, evaluation=evaluation, evaluate_fn=plugin(evaluation, "evaluation", "fn"), **resolved)
+    return StepFns(**sections, evaluation=evaluation, health=health, evaluate_fn=plugin(evaluation, "evaluation", "fn"), **resolved)
 
 
 _PLUGPOINTS_OF = {
@@ -314,10 +317,12 @@ def score_batch(samples: list[Sample], fns: StepFns, tokenizer, iteration: int, 
 def train_step(
     trainer: Trainer, samples: list[Sample], fns: StepFns, pad_id: int, reference: Trainer | None = None, critic: Trainer | None = None, iteration: int = 0
 ) -> dict:
-    """The train stage between the before/after train-step hooks; PPO's critic trains alone for its warm-up iterations."""
+    """The train stage between the before/after train-step hooks, checked by the health gates; PPO's critic trains alone
+    for its warm-up iterations."""
     fns.before_train_step(trainer, samples, iteration)
     train_policy = critic is None or iteration >= fns.algo.critic_warmup_steps
     metrics = optimize(trainer, samples, fns, pad_id, reference, critic, train_policy)
+    metrics.update(health.check(fns.health, metrics, samples))
     fns.after_train_step(trainer, metrics, iteration)
     return metrics
 

@@ -109,3 +109,19 @@ def learning_verdict(before: float, after: float, prompts: float) -> tuple[bool,
 
 def end_run(uri: str, run_id: str) -> None:
     _client(uri).set_terminated(run_id)
+
+
+def running_run(uri: str, experiment: str, tags: dict[str, str]) -> str | None:
+    """The newest unfinished run of `experiment` carrying these tags (values of letters, digits and ':'), or None."""
+    client = _client(uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    query = " and ".join([*(f"tags.`{key}` = '{value}'" for key, value in tags.items()), "attributes.status = 'RUNNING'"])
+    runs = client.search_runs([found.experiment_id], query, order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+def fail_run(uri: str, run_id: str, tags: dict) -> None:
+    set_tags(uri, run_id, tags)
+    _client(uri).set_terminated(run_id, status="FAILED")

@@ -22,7 +22,7 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
 from containers.images import cpu_image
 from miles_core.async_loop import ROLLOUT_GROUP, TRAINER_GROUP, PhaseSpec
-from miles_core.config import AlgoConfig, AsyncConfig, DataConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, RunConfig, TrainConfig
+from miles_core.config import AlgoConfig, AsyncConfig, DataConfig, HealthConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, RunConfig, TrainConfig
 from miles_core.data.source import DataState, load_prompts
 from miles_core.models import vocab_size
 from miles_core.phase_outputs import run_phase_into
@@ -76,7 +76,9 @@ def ray_cluster(workers: int, rollout_gpus: int, rollout_memory_gb: int, train_g
 @resizable_task(
     task_config=ray_cluster(*sizes(RunConfig())),  # a run's: on_ray(cfg)
     container_image=cpu_image,
-    **cached(cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, PublishConfig, module=__name__)),
+    **cached(
+        cache_version(AsyncConfig, RolloutConfig, DataConfig, RewardConfig, AlgoConfig, TrainConfig, HooksConfig, HealthConfig, PublishConfig, module=__name__)
+    ),
     **declared("async", SMALL),  # the job's submitter pod; the head and worker groups have their own (ray_cluster)
 )
 @recoverable
@@ -88,6 +90,7 @@ def async_phase(
     algo: AlgoConfig,
     train: TrainConfig,
     hooks: HooksConfig,
+    health: HealthConfig,
     publish_cfg: PublishConfig,
     ckpt: Checkpoint,
     policy: Policy,
@@ -110,6 +113,7 @@ def async_phase(
         algo=algo,
         train=train,
         hooks=hooks,
+        health=health,
         source_fn=plugin(data, "data", "source_fn"),
         seed=data.seed,
         prompts=load_prompts(dataset.train.download(), data.input_key, data.label_key, data.metadata_key),
@@ -123,7 +127,7 @@ def async_phase(
         steps=steps,
         transfer=OBJECT_STORE,
     )
-    inputs = (cfg, rollout, reward, algo, train, hooks, publish_cfg, uri_of(ckpt.dir), uri_of(policy.dir), state, uri_of(buffer) if buffer else "")
+    inputs = (cfg, rollout, reward, algo, train, hooks, health, publish_cfg, uri_of(ckpt.dir), uri_of(policy.dir), state, uri_of(buffer) if buffer else "")
     out, dest = new_artifact(root, "async", first_iteration, *inputs, steps, code)
     print(f"async phase: steps {first_iteration + 1}-{first_iteration + steps} starting")
     result = run_phase_into(spec, out, f"{dest}/checkpoint", f"{dest}/policy", publish_cfg.dtype, shape)

@@ -25,7 +25,18 @@ from flytekitplugins.kfpytorch import Elastic
 from transformers import AutoTokenizer
 
 from containers.images import cpu_image
-from miles_core.config import AlgoConfig, ClusterConfig, DataConfig, EvalConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
+from miles_core.config import (
+    AlgoConfig,
+    ClusterConfig,
+    DataConfig,
+    EvalConfig,
+    HealthConfig,
+    HooksConfig,
+    PublishConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+)
 from miles_core.data.source import DataState, load_prompts
 from miles_core.models import vocab_size
 from miles_core.plugins import plugin
@@ -128,7 +139,7 @@ def score(
 
 
 @resizable_task(
-    **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, module=__name__)),
+    **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, HealthConfig, module=__name__)),
     container_image=cpu_image,
     task_config=Elastic(nnodes=1, nproc_per_node=TrainConfig().nproc_per_node, start_method="fork"),  # a run's: train_task(cfg)
     **declared("train"),
@@ -140,6 +151,7 @@ def train(
     reward: RewardConfig,
     rollout: RolloutConfig,
     hooks: HooksConfig,
+    health: HealthConfig,
     ckpt: Checkpoint,
     batch: BatchResult,
     reference: Policy,
@@ -153,8 +165,8 @@ def train(
     samples = read_batch(
         batch.batch.download(), scored=True, reward_range=(reward.min, reward.max), vocab_size=vocab_size(reference_dir), group_size=rollout.n_samples
     )
-    out, dest = new_artifact(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, uri_of(ckpt.dir), uri_of(batch.batch), code)
-    fns = bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks)
+    out, dest = new_artifact(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, health, uri_of(ckpt.dir), uri_of(batch.batch), code)
+    fns = bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks, health=health)
     step, metrics = train_checkpoint(cfg, fns, ckpt.dir.download(), samples, reference_dir, out, iteration)
     return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics)
 

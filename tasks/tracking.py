@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import base64
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import flytekit
 from flytekit import Deck, task
+from flytekit.types.error import FlyteError
 
 from containers.images import cpu_image
 from miles_core import tracking
@@ -41,12 +44,16 @@ def _secret_server() -> str:
         return ""
 
 
+def _execution_tag() -> str:
+    execution = flytekit.current_context().execution_id
+    return f"{execution.project}:{execution.domain}:{execution.name}"
+
+
 @task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
 @recoverable
 def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, evaluation: dict[str, float]) -> Tracking:
     root = run_root_of(cfg.run_root)  # on a cluster, never the pod's own disk
     uri = tracking.tracking_uri(cfg.tracking, root, _secret_server())
-    execution = flytekit.current_context().execution_id
     source = read_source(member(base.dir, SOURCE_FILE).parent)
     run_id = tracking.start_run(
         uri,
@@ -60,7 +67,7 @@ def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, eva
             "parent_version": start.version,
             "model.source": source["path"],  # the base checkpoint every policy version of this run descends from
             "model.sha256": source["sha256"],
-            "flyte.execution_id": f"{execution.project}:{execution.domain}:{execution.name}",
+            "flyte.execution_id": _execution_tag(),
             "parent_policy_dir": uri_of(start.dir),
         },
     )
@@ -131,3 +138,20 @@ def log_phase(run: Tracking, first_iteration: int, phase: AsyncPhaseResult, eval
     if evaluation:
         line += f" | held-out accuracy {evaluation['eval/accuracy']:.3f}"
     print(line, flush=True)
+
+
+@task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
+@recoverable
+def mark_failed(cfg: RunConfig, err: Optional[FlyteError] = None) -> None:  # noqa: UP045 (the Optional flytekit's type engine reads)
+    """The run workflow's failure handler: this execution's MLflow run ends FAILED, tagged with the node that failed,
+    its error and the health gate that tripped, if one did. What the run published before it failed stays."""
+    uri = tracking.tracking_uri(cfg.tracking, run_root_of(cfg.run_root), _secret_server())
+    run_id = tracking.running_run(uri, cfg.tracking.experiment or cfg.name, {"config_hash": config_hash(cfg), "flyte.execution_id": _execution_tag()})
+    if run_id is None:
+        print("the run failed before its MLflow run started: nothing to mark", flush=True)
+        return
+    message = err.message if err is not None else "unknown"
+    gate = re.search(r"health gate (\w+) tripped", message)
+    tags = {"failure.node": err.failed_node_id if err is not None else "", "failure.message": message[-5000:]}  # MLflow keeps 5000 characters
+    tracking.fail_run(uri, run_id, tags | ({"health_gate": gate.group(1)} if gate else {}))
+    print(f"MLflow: run {run_id} marked FAILED" + (f" (health gate {gate.group(1)})" if gate else ""), flush=True)

@@ -26,7 +26,7 @@ from tasks.common import Checkpoint, Dataset, Policy, Tracking
 from tasks.metadata import BUILDER
 from tasks.prepare import admit_model, base_model, make_data, read_recipe
 from tasks.sft import sft
-from tasks.tracking import Report, finish_run, log_iteration, log_phase, start_run
+from tasks.tracking import Report, finish_run, log_iteration, log_phase, mark_failed, start_run
 from workflows.nodes import converted, evaluated, phased, published, rolled_out, scored, trained_on
 
 
@@ -99,7 +99,7 @@ def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> L
     return carried.policy, carried.evaluation
 
 
-@workflow
+@workflow(on_failure=mark_failed)
 def rl(cfg: RunConfig = RunConfig()) -> Report:  # noqa: B008 (the workflow's default input, frozen)
     base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train, rollout=cfg.rollout)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)

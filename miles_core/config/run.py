@@ -14,7 +14,7 @@ from miles_core.config.model import ModelConfig
 from miles_core.config.reward import RewardConfig
 from miles_core.config.rollout import RolloutConfig
 from miles_core.config.rules import check_rules
-from miles_core.config.train import EvalConfig, HooksConfig, PublishConfig, TrackingConfig, TrainConfig
+from miles_core.config.train import EvalConfig, HealthConfig, HooksConfig, PublishConfig, TrackingConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class RunConfig:
     publish: PublishConfig = field(default_factory=PublishConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     hooks: HooksConfig = field(default_factory=HooksConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     async_phase: AsyncConfig = field(default_factory=AsyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 

@@ -1,4 +1,4 @@
-"""train, evaluation, publish, tracking, hooks: the trainer and what follows a step."""
+"""train, evaluation, publish, tracking, hooks, health: the trainer, what follows a step, and the gates on it."""
 
 from __future__ import annotations
 
@@ -105,3 +105,20 @@ class HooksConfig:
     after_train_step: str = "miles_core.hooks:after_train_step"
     after_save: str = "miles_core.hooks:after_save"
     rollout_log: str = "miles_core.hooks:rollout_log"
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Gates on each training step (miles_core/health.py): one out of bounds stops the run before the step's weights are
+    saved, naming the gate, its value and its threshold. 0 turns a gate off; NaN or infinity in the loss or the
+    gradient norm always stops it."""
+
+    max_mismatch_kl: float = 0.0  # KL(rollout || train) on the step's tokens, before its update (mismatch/kl_rollout_train)
+    max_grad_norm: float = 0.0  # the largest gradient norm of the step's optimizer steps, before clipping
+    min_reward_std: float = 0.0  # the batch's reward standard deviation: below it, every sample scores alike (collapse)
+    max_staleness: int = 0  # async phase: policy versions between a sample's generation and the step that trains on it
+
+    def __post_init__(self):
+        check_finite(self, "health")
+        for key in ("max_mismatch_kl", "max_grad_norm", "min_reward_std", "max_staleness"):
+            _check(getattr(self, key) >= 0, f"health.{key}", f"must be >= 0 (0: the gate is off), got {getattr(self, key)}")

@@ -153,6 +153,7 @@ class TrainerBase:
         out.update(
             {
                 "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                "train/grad_norm_max": float(torch.tensor(grad_norms).max()),  # NaN when any is (Python's max skips it by order)
                 "train/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - started),
                 "train/step": float(self.step),
             }

@@ -1,6 +1,7 @@
 """A real local execution of the RL workflow: it trains, logs to MLflow, starts from a user's checkpoint, and resumes after a kill."""
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -68,3 +69,22 @@ def test_run_from_a_checkpoint_path_resumes_after_a_kill_to_the_same_weights(smo
     assert sha256_file(final_policy(root) / "model.safetensors") == sha256_file(final_policy(root_a) / "model.safetensors")
     (base,) = root.glob("base/*/")
     assert read_source(base) == {"path": str(checkpoint), "sha256": checkpoint_digest(checkpoint)}
+
+
+def test_a_tripped_health_gate_stops_the_run_keeps_what_was_published_and_marks_the_mlflow_run(tmp_path):
+    """health.max_grad_norm far below any step's: the first RL step trips it. The run fails naming the gate, its value
+    and its threshold; the step's checkpoint is never written, so the SFT policy stays the last published one; the
+    workflow's failure handler ends the MLflow run FAILED, tagged with the gate."""
+    root = tmp_path / "runs"
+    command = workflow_command("recipes/smoke.yaml", root, "iterations=1", "health.max_grad_norm=1.0e-9")
+    out = subprocess.run(command, cwd=REPO, env=workflow_env(tmp_path / "home"), capture_output=True, text=True, timeout=900)
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert re.search(r"health gate grad_norm tripped at [0-9.]+ \(health.max_grad_norm is 1e-09\)", log), log[-3000:]
+    assert [p.name[:4] for p in root.glob("checkpoint/*")] == ["0000"] and not list(root.glob("policy/*"))  # converted only
+    assert len(list(root.glob("sft/*/model.safetensors"))) == 1
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["health_gate"] == "grad_norm"
+    assert "health.max_grad_norm is 1e-09" in run.data.tags["failure.message"]

@@ -11,7 +11,7 @@ import torch
 
 from miles_core.async_buffer import draw_of, stream_position
 from miles_core.async_loop import ROLLOUT_ACTOR, AsyncPhaseError, PhaseSpec, run_phase
-from miles_core.config import load_recipe
+from miles_core.config import HealthConfig, load_recipe
 from miles_core.data.problems import make_addition, write_jsonl
 from miles_core.data.source import DataState, PromptSource, load_prompts
 from miles_core.models.tiny import build_tiny_model
@@ -60,6 +60,7 @@ def spec_for(start, **async_overrides) -> PhaseSpec:
         algo=cfg.algo,
         train=cfg.train,
         hooks=cfg.hooks,
+        health=cfg.health,
         source_fn=PromptSource,
         seed=cfg.data.seed,
         prompts=prompts,
@@ -173,6 +174,15 @@ def test_a_weight_push_that_times_out_fails_the_phase_clearly(cluster, start, tm
     with pytest.raises(AsyncPhaseError, match=r"weight push of version 2 not acknowledged by [12] of 2 rollout actors within async_phase\.push_timeout_s"):
         run_phase(spec, str(tmp_path / "ckpt"))
     assert time.monotonic() - started < 300
+
+
+def test_a_tripped_health_gate_stops_the_trainer_actor_before_it_saves(cluster, start, tmp_path):
+    """The async trainer runs the same gates as the sync train task (step.train_step): its first step trips
+    health.max_grad_norm, the phase fails naming the gate, and no checkpoint is written."""
+    spec = dataclasses.replace(spec_for(start), health=HealthConfig(max_grad_norm=1e-9))
+    with pytest.raises(Exception, match=r"health gate grad_norm tripped at [0-9.]+ \(health.max_grad_norm is 1e-09\)"):
+        run_phase(spec, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_an_async_phase_rolls_out_in_a_real_sglang_server(cluster, start, tmp_path):
