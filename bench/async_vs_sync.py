@@ -82,6 +82,7 @@ def run_async(cfg, start, prompts, ckpt_dir: str, steps: int, out: str):
         train=cfg.train,
         hooks=cfg.hooks,
         health=cfg.health,
+        publish=cfg.publish,
         source_fn=plugin(cfg.data, "data", "source_fn"),
         seed=cfg.data.seed,
         prompts=prompts,

@@ -39,7 +39,7 @@ import torch
 
 from miles_core import step
 from miles_core.async_buffer import SampleBuffer, draw_of, phase_summary
-from miles_core.config import AlgoConfig, AsyncConfig, HealthConfig, HooksConfig, RewardConfig, RolloutConfig, TrainConfig
+from miles_core.config import AlgoConfig, AsyncConfig, HealthConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
 from miles_core.data.source import DataState, Prompt
 from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine
@@ -49,6 +49,7 @@ from miles_core.step import StepFns, bind, groups_of, rollout_seed, score_batch,
 from miles_core.storage import Transfer
 from miles_core.train.backends import load_trainer, make_trainer
 from miles_core.weights.publish import publish
+from miles_core.weights.quantize import fake_quantized
 
 ROLLOUT_ACTOR = "miles-rollout-{}"  # Ray actor names (a test kills one mid-phase by name)
 # Ray custom resources that the worker groups of the phase's KubeRay cluster declare (tasks/async_phase.py), one per pod
@@ -70,6 +71,7 @@ class PhaseSpec:
     train: TrainConfig
     hooks: HooksConfig
     health: HealthConfig
+    publish: PublishConfig
     source_fn: object  # the data.source_fn plug-point, resolved
     seed: int  # data.seed
     prompts: list[Prompt]
@@ -265,7 +267,10 @@ class AsyncTrainer:
         import ray  # actors live in Ray worker processes
 
         started, timeout = time.perf_counter(), self.spec.cfg.push_timeout_s
-        ref = ray.put(self.trainer.hf_state_dict())
+        state = self.trainer.hf_state_dict()
+        if self.spec.publish.quantization:  # the engines compute with what a quantized publish would give them
+            state = fake_quantized(state, self.spec.publish.quantization)
+        ref = ray.put(state)
         ray.get(buffer.set_latest_weights.remote(([ref], self.version)))  # an actor restarting later starts from these
         acks = [w.update_weights.remote(ref, self.version) for w in workers]
         done, pending = ray.wait(acks, num_returns=len(acks), timeout=timeout)
@@ -277,7 +282,7 @@ class AsyncTrainer:
         ray.get(done)
         return time.perf_counter() - started
 
-    def save(self, ckpt_out: str, policy_out: str | None, dtype: str) -> int:
+    def save(self, ckpt_out: str, policy_out: str | None) -> int:
         """The checkpoint in the backend's format (with the tokenizer), then the after_save hook; with policy_out,
         the same weights published as version spec.version + steps. Written on this actor's disk, then stored
         (`spec.transfer`) to ckpt_out and policy_out."""
@@ -287,7 +292,8 @@ class AsyncTrainer:
             self.fns.after_save(ckpt_dir, self.spec.first_iteration + self.spec.steps - 1)
             self.spec.transfer.store(ckpt_dir, ckpt_out)
             if policy_out is not None:
-                publish(self.trainer, ckpt_dir, policy_dir, dtype, self.version, self.spec.version, source=ckpt_out)
+                published = self.spec.publish
+                publish(self.trainer, ckpt_dir, policy_dir, published.dtype, self.version, self.spec.version, ckpt_out, published.quantization)
                 self.spec.transfer.store(policy_dir, policy_out)
         return self.trainer.step
 
@@ -305,11 +311,11 @@ def placement(group: str, gpus: int) -> dict:
     return {"resources": {group: 1}, "num_gpus": gpus} if group in ray.cluster_resources() else {}
 
 
-def run_phase(spec: PhaseSpec, ckpt_out: str, policy_out: str | None = None, dtype: str = "float32") -> PhaseResult:
+def run_phase(spec: PhaseSpec, ckpt_out: str, policy_out: str | None = None) -> PhaseResult:
     """Run spec.steps training steps on the Ray cluster this process is connected to.
 
     Stores the trainer's checkpoint at ckpt_out (and, with policy_out, its weights published there
-    in `dtype`), folders or URIs as `spec.transfer` takes them; returns the consumed batches, the
+    as spec.publish says), folders or URIs as `spec.transfer` takes them; returns the consumed batches, the
     buffer for the next phase and the metrics. Every actor is gone when it returns or raises.
     """
     import ray  # the async phase is the only part of the core that needs a Ray cluster
@@ -346,7 +352,7 @@ def run_phase(spec: PhaseSpec, ckpt_out: str, policy_out: str | None = None, dty
         _wait_for(runs, [], timeout=cfg.push_timeout_s + cfg.take_timeout_s)
         if not ray.get(buffer.settled.remote()):
             raise AsyncPhaseError("rollout actors stopped with prompts still leased or waiting: they would be lost")
-        optimizer_step = ray.get(trainer.save.remote(ckpt_out, policy_out, dtype))
+        optimizer_step = ray.get(trainer.save.remote(ckpt_out, policy_out))
         drained = ray.get(buffer.drain.remote())
     finally:
         for actor in (*workers, trainer, buffer):

@@ -18,10 +18,10 @@ from miles_core.async_loop import PhaseResult, PhaseSpec, run_phase
 from miles_core.schemas import write_batch
 
 
-def run_phase_into(spec: PhaseSpec, out: Path, ckpt_out: str, policy_out: str, dtype: str, batch_shape: dict) -> PhaseResult:
+def run_phase_into(spec: PhaseSpec, out: Path, ckpt_out: str, policy_out: str, batch_shape: dict) -> PhaseResult:
     """Run the phase and write its batches, ledger and buffer under `out` (`batch_shape`: write_batch's checks: scored,
     reward range, vocabulary, group size)."""
-    result = run_phase(spec, ckpt_out, policy_out, dtype)
+    result = run_phase(spec, ckpt_out, policy_out)
     for i, batch in enumerate(result.consumed):
         write_batch(batch, out / "batches" / f"step-{spec.first_iteration + i:04d}.parquet", **batch_shape)
     if result.buffer:

@@ -114,6 +114,7 @@ def async_phase(
         train=train,
         hooks=hooks,
         health=health,
+        publish=publish_cfg,
         source_fn=plugin(data, "data", "source_fn"),
         seed=data.seed,
         prompts=load_prompts(dataset.train.download(), data.input_key, data.label_key, data.metadata_key),
@@ -130,7 +131,7 @@ def async_phase(
     inputs = (cfg, rollout, reward, algo, train, hooks, health, publish_cfg, uri_of(ckpt.dir), uri_of(policy.dir), state, uri_of(buffer) if buffer else "")
     out, dest = new_artifact(root, "async", first_iteration, *inputs, steps, code)
     print(f"async phase: steps {first_iteration + 1}-{first_iteration + steps} starting")
-    result = run_phase_into(spec, out, f"{dest}/checkpoint", f"{dest}/policy", publish_cfg.dtype, shape)
+    result = run_phase_into(spec, out, f"{dest}/checkpoint", f"{dest}/policy", shape)
     version = policy.version + steps
     print(
         f"async phase: steps {first_iteration + 1}-{first_iteration + steps}, {result.metrics['async/samples_per_s']:.1f} samples/s, "

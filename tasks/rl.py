@@ -178,7 +178,7 @@ def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent
     _forked_worker()
     version = parent.version + 1
     out, dest = new_artifact(root, "policy", version, cfg, uri_of(ckpt.dir))
-    export_policy(train_cfg, ckpt.dir.download(), out, cfg.dtype, version, parent.version, source=uri_of(ckpt.dir))
+    export_policy(train_cfg, ckpt.dir.download(), out, cfg, version, parent.version, source=uri_of(ckpt.dir))
     return Policy(dir=uploaded_dir(out, dest), version=version)
 
 

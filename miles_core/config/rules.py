@@ -132,6 +132,15 @@ RULES: tuple[Rule, ...] = (
         lambda c: "attached SGLang servers (rollout.sglang.urls) take weights from one rollout actor: set 1, or let each actor launch its own servers",
     ),
     Rule(
+        "publish.quantization",
+        lambda c: bool(c.publish.quantization),
+        lambda c: c.rollout.engine == "torch",
+        lambda c: (
+            f"{c.publish.quantization} weights are computed with by the embedded torch engine; an SGLang server quantizes what it "
+            "loads by its own flag (e.g. --quantization fp8 in rollout.sglang.extra_args): publish unquantized for it"
+        ),
+    ),
+    Rule(
         "async_phase.sync_iterations",
         _async,
         lambda c: c.async_phase.sync_iterations < c.iterations,

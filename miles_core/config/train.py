@@ -83,12 +83,17 @@ class EvalConfig:
             _check(getattr(self, name) > 0, f"evaluation.{name}", "must be > 0")
 
 
+QUANTIZATIONS = ("", "fp8", "mxfp8")
+
+
 @dataclass(frozen=True)
 class PublishConfig:
     dtype: str = "float32"  # dtype of the published HF safetensors
+    quantization: str = ""  # "" | fp8 (128 x 128 blocks) | mxfp8: the rollout engines' linear weights (weights/quantize.py)
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16"), "publish.dtype", f"unknown dtype {self.dtype!r}")
+        _check(self.quantization in QUANTIZATIONS, "publish.quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

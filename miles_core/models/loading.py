@@ -17,11 +17,17 @@ check of a weight directory (miles_core/weights/check.py).
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion  # what save_pretrained applies (transformers 5)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from miles_core.weights.quantize import dequantized_copy, quantization_format
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -75,7 +81,11 @@ def _freeze_outside_language(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def load_causal_lm(model_dir: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The causal LM of an HF directory: text checkpoints as they are, multimodal ones as their text model."""
+    """The causal LM of an HF directory: text checkpoints as they are, multimodal ones as their text model, weights
+    quantized at publish (weights/quantize.py) restored to `dtype` first (what the engine then computes with)."""
+    if quantization_format(json.loads((Path(model_dir) / "config.json").read_text())):
+        with tempfile.TemporaryDirectory(prefix="dequantized-") as plain:
+            return load_causal_lm(str(dequantized_copy(model_dir, plain, dtype)), dtype)
     config = AutoConfig.from_pretrained(model_dir)
     if not is_multimodal(config):
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from miles_core.config import AlgoConfig, TrainConfig
+from miles_core.config import AlgoConfig, PublishConfig, TrainConfig
 from miles_core.samples import Sample
 from miles_core.step import StepFns, train_step
 from miles_core.train.base import Trainer
@@ -59,13 +59,18 @@ def convert_checkpoint(cfg: TrainConfig, algo: AlgoConfig, policy_dir: str, out_
     copy_tokenizer(policy_dir, out_dir)
 
 
-def export_policy(cfg: TrainConfig, ckpt_dir: str, out_dir: Path, dtype: str, version: int, parent_version: int | None, source: str | None = None) -> dict:
-    """The checkpoint's policy as an HF safetensors directory with its lineage manifest (naming `source`, else ckpt_dir); returns the manifest."""
+def export_policy(
+    cfg: TrainConfig, ckpt_dir: str, out_dir: Path, publish_cfg: PublishConfig, version: int, parent_version: int | None, source: str | None = None
+) -> dict:
+    """The checkpoint's policy as an HF safetensors directory (publish_cfg's dtype and quantization) with its lineage
+    manifest (naming `source`, else ckpt_dir); returns the manifest."""
     if cfg.backend == "megatron":
         from miles_core.checkpoint.torch_dist import TorchDistCheckpoint  # optional backend: imported where used
 
-        return publish(TorchDistCheckpoint(ckpt_dir), ckpt_dir, out_dir, dtype, version, parent_version, source)
-    return publish(TorchTrainer.load(ckpt_dir, cfg), ckpt_dir, out_dir, dtype, version, parent_version, source)
+        trainer = TorchDistCheckpoint(ckpt_dir)
+    else:
+        trainer = TorchTrainer.load(ckpt_dir, cfg)
+    return publish(trainer, ckpt_dir, out_dir, publish_cfg.dtype, version, parent_version, source, publish_cfg.quantization)
 
 
 def save_checkpoint(trainer: Trainer, critic: Trainer | None, out_dir: Path, tokenizer_dir: str) -> None:

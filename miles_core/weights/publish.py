@@ -14,6 +14,7 @@ from pathlib import Path
 
 from miles_core.storage import atomic_dir, sha256_file
 from miles_core.weights.check import CheckpointError, json_object
+from miles_core.weights.quantize import quantize_dir
 
 # What a checkpoint holds beside its weights that every version after it keeps: the tokenizer in any
 # of its formats (fast, sentencepiece, BPE vocab + merges, tiktoken), its chat template, the generation config.
@@ -76,10 +77,15 @@ def read_manifest(policy_dir: str | Path) -> dict:
     return manifest
 
 
-def publish(trainer, ckpt_dir: str, out_dir: str | Path, dtype: str, version: int, parent_version: int | None, source: str | None = None) -> dict:
-    """Export the trainer's policy to out_dir as version `version`; returns its manifest (its source: `source`, else ckpt_dir)."""
+def publish(
+    trainer, ckpt_dir: str, out_dir: str | Path, dtype: str, version: int, parent_version: int | None, source: str | None = None, quantization: str = ""
+) -> dict:
+    """Export the trainer's policy to out_dir as version `version` in `dtype`, its linear weights quantized if
+    `quantization` names a format (weights/quantize.py); returns its manifest (its source: `source`, else ckpt_dir)."""
     with atomic_dir(out_dir) as tmp:
         trainer.export_hf(str(tmp), dtype)
+        if quantization:
+            quantize_dir(tmp, quantization)
         copy_tokenizer(ckpt_dir, tmp)
         manifest = write_manifest(tmp, version, parent_version, source=source or str(ckpt_dir))
     return manifest

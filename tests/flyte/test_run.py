@@ -1,5 +1,7 @@
 """A real local execution of the RL workflow: it trains, logs to MLflow, starts from a user's checkpoint, and resumes after a kill."""
 
+import json
+import math
 import os
 import re
 import signal
@@ -88,3 +90,21 @@ def test_a_tripped_health_gate_stops_the_run_keeps_what_was_published_and_marks_
     (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["health_gate"] == "grad_norm"
     assert "health.max_grad_norm is 1e-09" in run.data.tags["failure.message"]
+
+
+def test_fp8_rollout_runs_the_loop_and_raises_the_measured_mismatch(smoke_run, tmp_path):
+    """publish.quantization=fp8: the policy of iteration 1 is published in FP8 blocks and rolls out iteration 2 in the
+    embedded engine (dequantized); the trainer stays fp32. Iteration 1 is the same as the smoke run's (its rollout is
+    the SFT policy's), so iteration 2's train/rollout mismatch is compared on the same weights, with and without FP8."""
+    root = tmp_path / "runs"
+    run_workflow("recipes/smoke.yaml", root, tmp_path / "home", "iterations=2", "publish.quantization=fp8")
+    policy = final_policy(root)
+    assert json.loads((policy / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+    def mismatch_at_iteration_2(runs):
+        client = MlflowClient(tracking_uri=f"sqlite:///{runs}/mlflow.db")
+        (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "mismatch_abs_logprob_diff")}[2]
+
+    quantized, plain = mismatch_at_iteration_2(root), mismatch_at_iteration_2(smoke_run[0])
+    assert math.isfinite(quantized) and quantized > 10 * plain

@@ -2,6 +2,7 @@
 every drawn prompt, survives a killed rollout actor, and fails clearly when a weight push times out."""
 
 import dataclasses
+import json
 import threading
 import time
 from collections import Counter
@@ -11,7 +12,7 @@ import torch
 
 from miles_core.async_buffer import draw_of, stream_position
 from miles_core.async_loop import ROLLOUT_ACTOR, AsyncPhaseError, PhaseSpec, run_phase
-from miles_core.config import HealthConfig, load_recipe
+from miles_core.config import HealthConfig, PublishConfig, load_recipe
 from miles_core.data.problems import make_addition, write_jsonl
 from miles_core.data.source import DataState, PromptSource, load_prompts
 from miles_core.models.tiny import build_tiny_model
@@ -61,6 +62,7 @@ def spec_for(start, **async_overrides) -> PhaseSpec:
         train=cfg.train,
         hooks=cfg.hooks,
         health=cfg.health,
+        publish=cfg.publish,
         source_fn=PromptSource,
         seed=cfg.data.seed,
         prompts=prompts,
@@ -183,6 +185,17 @@ def test_a_tripped_health_gate_stops_the_trainer_actor_before_it_saves(cluster, 
     with pytest.raises(Exception, match=r"health gate grad_norm tripped at [0-9.]+ \(health.max_grad_norm is 1e-09\)"):
         run_phase(spec, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_fp8_pushes_and_publishes_quantized_weights(cluster, start, tmp_path):
+    """publish.quantization=fp8: every push hands the actors FP8 numbers (quantized and restored) and the phase's
+    policy is published in FP8 blocks. The first step trains on the unquantized starting policy's samples (mismatch
+    about 0); with max_staleness 0 the later steps train only on samples of pushed FP8 weights."""
+    spec = dataclasses.replace(spec_for(start, update_weights_interval=1, max_staleness=0), publish=PublishConfig(quantization="fp8"))
+    result = run_phase(spec, str(tmp_path / "ckpt"), str(tmp_path / "policy"))
+    assert json.loads((tmp_path / "policy" / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    first, *later = [m["mismatch/abs_logprob_diff"] for m in result.steps]
+    assert later and all(m > 10 * first for m in later)
 
 
 def test_an_async_phase_rolls_out_in_a_real_sglang_server(cluster, start, tmp_path):

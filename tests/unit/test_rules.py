@@ -82,6 +82,12 @@ CASES = [
     ),
     ("async_critic", {**ASYNC, "algo.advantage": "ppo"}, "async_phase.schedule: async phases do not train a critic yet", {"algo.advantage": "grpo"}),
     (
+        "quantized_sglang",
+        {"publish.quantization": "fp8", "rollout.engine": "sglang"},
+        "publish.quantization: fp8 weights are computed with by the embedded torch engine",
+        {"rollout.engine": "torch"},
+    ),
+    (
         "async_attached",
         {**ASYNC, "rollout.engine": "sglang", "rollout.sglang.urls": "http://h:1"},
         "async_phase.rollout_workers: attached SGLang servers",
