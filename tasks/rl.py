@@ -62,7 +62,9 @@ from tasks.elastic import elastic, resizable_task
 from tasks.metadata import DEFAULTS, cached, declared
 from tasks.retry import recoverable
 
-ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork")
+# torch elastic polls its workers this often (seconds; flytekit's default 5): a finished step is noticed within it
+MONITOR_S = 1
+ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork", monitor_interval=MONITOR_S)
 
 
 def train_task(cfg: TrainConfig, cluster: ClusterConfig = DEFAULTS):
@@ -141,7 +143,7 @@ def score(
 @resizable_task(
     **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, HealthConfig, module=__name__)),
     container_image=cpu_image,
-    task_config=Elastic(nnodes=1, nproc_per_node=TrainConfig().nproc_per_node, start_method="fork"),  # a run's: train_task(cfg)
+    task_config=Elastic(nnodes=1, nproc_per_node=TrainConfig().nproc_per_node, start_method="fork", monitor_interval=MONITOR_S),  # a run's: train_task(cfg)
     **declared("train"),
 )
 @recoverable
