@@ -79,12 +79,17 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, fmt: str, dtype: torch.
     return (q.float() * factor).to(dtype)
 
 
+def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, weight_scale_inv) of a weight [N, K] in `fmt`."""
+    return quantize_mxfp8(w, name) if fmt == "mxfp8" else quantize_fp8(w)
+
+
 def quantize_state(state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
     """The state with each quantizable weight as its e4m3 tensor and `<name>_scale_inv` beside it."""
     out = {}
     for name, tensor in state.items():
         if quantizable(name, tensor):
-            out[name], out[name + SCALE_SUFFIX] = quantize_mxfp8(tensor, name) if fmt == "mxfp8" else quantize_fp8(tensor)
+            out[name], out[name + SCALE_SUFFIX] = quantize(tensor, fmt, name)
         else:
             out[name] = tensor
     return out
@@ -101,10 +106,7 @@ def dequantize_state(state: dict[str, torch.Tensor], fmt: str, dtype: torch.dtyp
 
 def fake_quantized(state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
     """What an engine computes with after a quantized publish, in each weight's own dtype (an in-memory weight push)."""
-    return {
-        name: dequantize(*(quantize_mxfp8(t, name) if fmt == "mxfp8" else quantize_fp8(t)), fmt, t.dtype) if quantizable(name, t) else t
-        for name, t in state.items()
-    }
+    return {name: dequantize(*quantize(t, fmt, name), fmt, t.dtype) if quantizable(name, t) else t for name, t in state.items()}
 
 
 def quantization_format(config: dict) -> str | None:
