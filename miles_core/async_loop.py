@@ -268,8 +268,8 @@ class AsyncTrainer:
 
         started, timeout = time.perf_counter(), self.spec.cfg.push_timeout_s
         state = self.trainer.hf_state_dict()
-        if self.spec.publish.quantization:  # the engines compute with what a quantized publish would give them
-            state = fake_quantized(state, self.spec.publish.quantization)
+        if self.spec.publish.fmt:  # the engines compute with what a quantized publish would give them
+            state = fake_quantized(state, self.spec.publish.fmt)
         ref = ray.put(state)
         ray.get(buffer.set_latest_weights.remote(([ref], self.version)))  # an actor restarting later starts from these
         acks = [w.update_weights.remote(ref, self.version) for w in workers]
@@ -293,7 +293,7 @@ class AsyncTrainer:
             self.spec.transfer.store(ckpt_dir, ckpt_out)
             if policy_out is not None:
                 published = self.spec.publish
-                publish(self.trainer, ckpt_dir, policy_dir, published.dtype, self.version, self.spec.version, ckpt_out, published.quantization)
+                publish(self.trainer, ckpt_dir, policy_dir, published.dtype, self.version, self.spec.version, ckpt_out, published.fmt)
                 self.spec.transfer.store(policy_dir, policy_out)
         return self.trainer.step
 

@@ -34,6 +34,8 @@ def gate_values(metrics: dict[str, float], samples: list[Sample]) -> dict[str, f
     lags = [s.metadata["trainer_version"] - s.weight_version for s in samples if "trainer_version" in s.metadata]
     if lags:
         values["health/staleness"] = float(max(lags))
+    if "routing/agreement" in metrics:  # routing replayed (R3)
+        values["health/routing_agreement"] = metrics["routing/agreement"]
     return values
 
 
@@ -48,6 +50,9 @@ def check(cfg: HealthConfig, metrics: dict[str, float], samples: list[Sample]) -
         value = values.get(f"health/{gate}")
         if limit and value is not None and value > limit:
             raise HealthGateTripped(gate, value, f"health.max_{gate} is {limit:g}")
-    if cfg.min_reward_std and values["health/reward_std"] < cfg.min_reward_std:
-        raise HealthGateTripped("reward_std", values["health/reward_std"], f"health.min_reward_std is {cfg.min_reward_std:g}")
+    lower = {"reward_std": cfg.min_reward_std, "routing_agreement": cfg.min_routing_agreement}
+    for gate, limit in lower.items():
+        value = values.get(f"health/{gate}")
+        if limit and value is not None and value < limit:
+            raise HealthGateTripped(gate, value, f"health.min_{gate} is {limit:g}")
     return values

@@ -4,7 +4,8 @@ A `Sample` is one response to one prompt, token in and token out: the prompt's t
 response's token ids as generated (never re-tokenised), one rollout log-prob and one loss-mask
 entry per response token, how generation ended and the weight version that produced it.
 A rollout batch is a list of samples, `group_size` consecutive samples per prompt; on disk it is
-a parquet file whose schema `miles_core.schemas` checks at every task boundary.
+a parquet file whose schema `miles_core.schemas` checks at every task boundary.  With routing replay (R3) a sample
+also carries the experts its tokens were routed to in rollout (layout in miles_core/routing.py), as int16 on disk.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+import numpy as np
 import pandas as pd
 
 
@@ -28,6 +30,7 @@ class Sample:
     label: str  # reference answer, as the data source gave it
     metadata: dict = field(default_factory=dict)
     reward: float = float("nan")  # filled by scoring
+    routed_experts: list[int] = field(default_factory=list)  # R3: [position, MoE layer, k] flattened, or empty
 
     @property
     def sample_id(self) -> str:
@@ -47,6 +50,7 @@ def to_frame(samples: list[Sample]) -> pd.DataFrame:
     for s in samples:
         row = asdict(s)
         row["metadata"] = json.dumps(s.metadata, sort_keys=True)
+        row["routed_experts"] = np.asarray(s.routed_experts, dtype=np.int16)  # expert ids < 32768: every published MoE
         row["sample_id"] = s.sample_id
         rows.append(row)
     return pd.DataFrame(rows, columns=["sample_id", *COLUMNS])
@@ -68,6 +72,7 @@ def from_frame(frame: pd.DataFrame) -> list[Sample]:
                 label=str(row.label),
                 metadata=json.loads(row.metadata),
                 reward=float(row.reward),
+                routed_experts=[int(e) for e in row.routed_experts],
             )
         )
     return out

@@ -7,7 +7,9 @@ file, the rows (with their sample ids), the column and the check that failed.
 Beyond the columns' types: token ids are non-negative integers (below the vocabulary size when
 the caller gives it), a sample's id is "<prompt_id>/<index>", one group (one prompt_id) has one
 label, and with `group_size` a batch is whole groups: consecutive blocks of group_size samples
-of one prompt with indices 0..group_size-1, so no group is split across batches.
+of one prompt with indices 0..group_size-1, so no group is split across batches.  Recorded routing (R3) is
+non-negative integer expert ids, the same number for every position the engine fed (prompt and response but its
+last token) of every sample that has any.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class RolloutBatchSchema(pa.DataFrameModel):
     label: Series[str]
     metadata: Series[str]
     reward: Series[float] = pa.Field(nullable=True)
+    routed_experts: Series[object]
 
     @pa.check(*TOKEN_COLUMNS, element_wise=True, name="non_empty")
     def non_empty(cls, tokens) -> bool:
@@ -72,6 +75,11 @@ class RolloutBatchSchema(pa.DataFrameModel):
     def non_negative_ids(cls, tokens) -> bool:
         ids = _integer_ids(tokens)
         return ids is None or bool((ids >= 0).all())  # non-integers fail integer_ids already
+
+    @pa.check("routed_experts", element_wise=True, name="expert_ids")
+    def expert_ids(cls, experts) -> bool:
+        ids = _integer_ids(experts)
+        return ids is not None and bool((ids >= 0).all())
 
     @pa.check("rollout_logprobs", element_wise=True, name="finite_logprobs")
     def finite_logprobs(cls, values) -> bool:
@@ -95,6 +103,16 @@ class RolloutBatchSchema(pa.DataFrameModel):
             return _passes(df)
         n = df["response_tokens"].map(_length)
         return (n >= 0) & (n == df["rollout_logprobs"].map(_length)) & (n == df["loss_mask"].map(_length))
+
+    @pa.dataframe_check(name="routing_per_position")
+    def routing_per_position(cls, df: pd.DataFrame) -> Series[bool]:
+        """Recorded routing has one width (MoE layers x k) for every position fed and every sample, or is empty."""
+        if not _has(df, "routing_per_position"):
+            return _passes(df)
+        fed = df["prompt_tokens"].map(_length) + df["response_tokens"].map(_length) - 1
+        recorded = df["routed_experts"].map(_length)
+        width = (recorded // fed.clip(lower=1)).where(recorded > 0)
+        return (recorded == 0) | ((fed > 0) & (recorded == width * fed) & (width == width.max()))
 
     @pa.dataframe_check(name="sample_id_matches_group")
     def sample_id_matches_group(cls, df: pd.DataFrame) -> Series[bool]:
@@ -124,6 +142,7 @@ class ScoredBatchSchema(RolloutBatchSchema):
 # The columns each row-wise check reads: named in its error, and a missing one is reported once, as missing.
 ROW_CHECK_COLUMNS = {
     "aligned_lengths": ("response_tokens", "rollout_logprobs", "loss_mask"),
+    "routing_per_position": ("prompt_tokens", "response_tokens", "routed_experts"),
     "sample_id_matches_group": ("sample_id", "prompt_id", "index"),
     "one_label_per_group": ("prompt_id", "label"),
 }

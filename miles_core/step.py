@@ -214,6 +214,7 @@ def generate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, params: Sa
             weight_version=g.weight_version,
             label=p.label,
             metadata=p.metadata,
+            routed_experts=g.routed_experts,
         )
         for p, tokens, group in zip(prompts, prompt_ids, groups)
         for i, g in enumerate(group)
@@ -342,7 +343,8 @@ def optimize(
     samples = [s if k else dataclasses.replace(s, loss_mask=[0] * len(s.loss_mask)) for s, k in zip(samples, kept)]
     batch = pack(samples, pad_id)
     current = trainer.logprobs(batch, cfg.temperature)  # [B, T] policy before this step's updates
-    metrics = mismatch_metrics(current, batch.rollout_logprobs, batch.loss_mask, algo.log_ratio_clamp)
+    metrics = mismatch_metrics(current, batch.rollout_logprobs, batch.loss_mask, algo.log_ratio_clamp, algo.mismatch_threshold)
+    metrics.update(trainer.routing_metrics())  # R3: how often the trainer's routers agree with the replayed rollout's
     old_logprobs = batch.rollout_logprobs if algo.use_rollout_logprobs else current
     extras = {"old_logprobs": old_logprobs}
     if algo.is_correction != "none":

@@ -126,13 +126,17 @@ def stored_dir(uri: str) -> FlyteDirectory:
     return FlyteDirectory.from_source(uri)
 
 
-def fetched(uri: str) -> str:
-    """The directory at `uri` on this process's disk: downloaded into a fresh temporary folder (a local path: itself)."""
+def fetched(uri: str, directory: bool = True) -> str:
+    """The directory (or file) at `uri` on this process's disk, downloaded into a fresh temporary folder of its own (a
+    local path: itself). Every process of a multi-process task fetches its inputs so: flytekit's `.download()` puts an
+    input at one path per URI, where one process would read a file another is still writing."""
     files = FlyteContextManager.current_context().file_access
     if not files.is_remote(uri):
         return uri
     local = tempfile.mkdtemp(prefix="fetched-")
-    files.get_data(uri, local, is_multipart=True)
+    if not directory:
+        local = os.path.join(local, os.path.basename(uri.rstrip("/")))
+    files.get_data(uri, local, is_multipart=directory)
     return local
 
 

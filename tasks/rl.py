@@ -53,6 +53,7 @@ from tasks.common import (
     RolloutResult,
     TrainResult,
     cache_version,
+    fetched,
     new_artifact,
     uploaded_dir,
     uploaded_file,
@@ -163,13 +164,17 @@ def train(
 ) -> TrainResult:
     """One RL step on every process (each trains its data-parallel rows); rank 0's result is the task's."""
     _forked_worker()
-    reference_dir = reference.dir.download()
+    reference_dir = fetched(uri_of(reference.dir))  # each process its own copy (tasks/common.py fetched)
     samples = read_batch(
-        batch.batch.download(), scored=True, reward_range=(reward.min, reward.max), vocab_size=vocab_size(reference_dir), group_size=rollout.n_samples
+        fetched(uri_of(batch.batch), directory=False),
+        scored=True,
+        reward_range=(reward.min, reward.max),
+        vocab_size=vocab_size(reference_dir),
+        group_size=rollout.n_samples,
     )
     out, dest = new_artifact(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, health, uri_of(ckpt.dir), uri_of(batch.batch), code)
     fns = bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks, health=health)
-    step, metrics = train_checkpoint(cfg, fns, ckpt.dir.download(), samples, reference_dir, out, iteration)
+    step, metrics = train_checkpoint(cfg, fns, fetched(uri_of(ckpt.dir)), samples, reference_dir, out, iteration)
     return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics)
 
 

@@ -6,8 +6,9 @@ torchrun) and prints one JSON line; tests/*/test_megatron*.py and test_checkpoin
                                                                one GRPO step from CKPT, saved to OUT
     torchrun ... tests/megatron_worker.py resume ROOT CKPT OUT [DTYPE]  two steps straight vs a save and load between them
     python tests/megatron_worker.py loss ROOT CKPT             the loss of CKPT's weights on the batch
-    python tests/megatron_worker.py replay ROOT CKPT            record MoE routing, replay it
+    torchrun ... tests/megatron_worker.py replay ROOT HF CKPT TP EP  the engine's routing replayed (R3)
     python tests/megatron_worker.py uncompat ROOT CKPT          the same path without the CPU layer
+    python tests/megatron_worker.py bf16 ROOT OUT               RL steps in bf16 (tests/bf16_runs.py)
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def samples(n: int = 8) -> list[Sample]:
 
 def train_cfg(tp: int = 1, ep: int = 1, world: int = 1, pp: int = 1, dtype: str = "float32") -> TrainConfig:
     parallel = dict(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, nproc_per_node=world)
-    return TrainConfig(backend="megatron", megatron_dtype=dtype, lr=1e-2, micro_batch_size=4, **parallel)
+    return TrainConfig(backend="megatron", dtype=dtype, lr=1e-2, micro_batch_size=4, **parallel)
 
 
 def batch_loss(trainer) -> float:
@@ -262,36 +263,50 @@ def loss(*ckpts: str) -> dict:
     return {"losses": [batch_loss(MegatronTrainer.load(ckpt, train_cfg())) for ckpt in ckpts]}
 
 
-def replay(ckpt: str) -> dict:
-    """Record routing before and after a training step; replay each on the trained weights."""
+def replay(hf: str, ckpt: str, tp: int = 1, ep: int = 1) -> dict:
+    """R3 through megatron: the embedded engine records its routing on the HF weights, megatron (at TP x EP, sequence
+    parallel at TP > 1) replays it after the routers' selection bias moved (what aux-loss-free balancing moves)."""
+    import dataclasses
+    import os
+
+    import torch.distributed as dist
+
+    from miles_core.rollout.base import SamplingParams
+    from miles_core.rollout.engines.torch_engine import TorchEngine
     from miles_core.train.megatron.trainer import MegatronTrainer
 
-    trainer = MegatronTrainer.load(ckpt, train_cfg())
-    batch = pack(samples(), 0)
+    prompts = [[5 + i, 40 + 3 * i, 77, 9 + i, 120 + i][: 3 + i % 3] for i in range(4)]
+    generated = TorchEngine(hf, record_routing=True).generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=3))
+    rollout = [
+        Sample(str(i), j, p, g.tokens, g.logprobs, [1] * len(g.tokens), g.finish_reason, 0, "1", routed_experts=g.routed_experts)
+        for i, (p, group) in enumerate(zip(prompts, generated))
+        for j, g in enumerate(group)
+    ]
+    trainer = MegatronTrainer.load(ckpt, train_cfg(tp, ep, int(os.environ.get("WORLD_SIZE", "1"))))
+    with torch.no_grad():
+        for name, bias in trainer.ddp.module.named_buffers():
+            if name.endswith("expert_bias"):
+                bias.copy_(bias.flip(0))  # the experts' biases swapped: the selection moves, the gate values do not
+    batch = pack(rollout, 0)
 
-    def recorded() -> tuple[torch.Tensor, list]:
-        trainer.routing.record()
-        logprobs = trainer.logprobs(batch, 1.0)
-        trainer.routing.stop()
-        return logprobs, trainer.routing.recorded
+    def gap(packed) -> float:
+        return float(((trainer.logprobs(packed, 1.0) - packed.rollout_logprobs).abs() * packed.loss_mask).max())
 
-    def replayed(decisions: list) -> torch.Tensor:
-        trainer.routing.replay(decisions)
-        logprobs = trainer.logprobs(batch, 1.0)
-        trainer.routing.stop()
-        return logprobs
+    replayed = gap(batch)
+    agreement = trainer.routing_metrics()["routing/agreement"]
+    return {"replayed_gap": replayed, "bare_gap": gap(dataclasses.replace(batch, routed_experts=None)), "agreement": agreement, "rank": dist.get_rank()}
 
-    _, before = recorded()
-    optimize(trainer, samples(), FNS, 0)
-    after_logprobs, after = recorded()
-    return {
-        "micro_batches": len(after),
-        "layers": len(after[0]),
-        "shape": list(after[0][0].shape),
-        "routing_changed_by_training": any(not torch.equal(a, b) for a, b in zip(before[0], after[0])),
-        "replay_reproduces": torch.equal(replayed(after), after_logprobs),
-        "old_routing_changes_logprobs": not torch.equal(replayed(before), after_logprobs),
-    }
+
+def bf16(out: str) -> dict:
+    """tests/bf16_runs.py's RL steps on the megatron backend in bf16, from the tiny policy built in OUT."""
+    from miles_core.train.megatron.trainer import MegatronTrainer
+    from tests import bf16_runs
+
+    policy = build_tiny_model(bf16_runs.MODEL, f"{out}/policy")
+    trainer = MegatronTrainer.from_hf(policy, train_cfg(dtype="bfloat16"))
+    optimizers = [part.optimizer for part in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]  # torch's Adam of each
+    result = bf16_runs.report(trainer, optimizers, policy, Path(out) / "published")
+    return {**result, "matrices": bf16_runs.dtypes(p for p in trainer.ddp.module.parameters() if p.dim() == 2)}  # norms: torch's RMSNorm, fp32
 
 
 def uncompat(ckpt: str) -> dict:
@@ -310,7 +325,7 @@ def uncompat(ckpt: str) -> dict:
 if __name__ == "__main__":
     command, root, *args = sys.argv[1:]
     torch.set_num_threads(1)
-    handlers = {"convert": convert, "step": step, "resume": resume, "loss": loss, "replay": replay, "uncompat": uncompat}
+    handlers = {"convert": convert, "step": step, "resume": resume, "loss": loss, "replay": replay, "uncompat": uncompat, "bf16": bf16}
     args = [int(a) if a.isdigit() else a for a in args]
     result = handlers[command](Path(root), *args) if command == "convert" else handlers[command](*args)
     if result.get("rank", 0) == 0:

@@ -22,12 +22,15 @@ import torch
 from torch import Tensor
 
 from miles_core.algos.losses import clamped_exp, masked_mean
-from miles_core.config import LOG_RATIO_CLAMP
+from miles_core.config import LOG_RATIO_CLAMP, MISMATCH_THRESHOLD
 
 
-def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, log_ratio_clamp: float = LOG_RATIO_CLAMP) -> dict[str, float]:
-    """|delta log-prob|, KL(rollout || train) (k3, sampled from the rollout) and the
-    effective-sample-size ratio (sum w)^2 / (N sum w^2) of the token weights; inputs [B, T].
+def mismatch_metrics(
+    train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, log_ratio_clamp: float = LOG_RATIO_CLAMP, threshold: float = MISMATCH_THRESHOLD
+) -> dict[str, float]:
+    """|delta log-prob|, KL(rollout || train) (k3, sampled from the rollout), the effective-sample-size
+    ratio (sum w)^2 / (N sum w^2) of the token weights and the fraction of tokens whose |delta log-prob|
+    exceeds `threshold` (algo.mismatch_threshold); inputs [B, T].
     The log-weights are clamped before exp, as in the weights themselves."""
     raw_log_w = (train_logprobs - rollout_logprobs).detach() * mask  # [B, T]
     log_w = torch.clamp(raw_log_w, -log_ratio_clamp, log_ratio_clamp)  # [B, T]
@@ -38,11 +41,20 @@ def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
         "mismatch/abs_logprob_diff": float(masked_mean(raw_log_w.abs(), mask)),
         "mismatch/kl_rollout_train": float(masked_mean(w - 1.0 - log_w, mask)),
         "mismatch/ess_ratio": float(w_sum * w_sum / (n * w_sq.clamp(min=1e-12))),
+        "mismatch/beyond_threshold_fraction": float(masked_mean((raw_log_w.abs() > threshold).float(), mask)),
     }
 
 
 def importance_weights(
-    train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, mode: str, level: str, lower: float, upper: float, log_ratio_clamp: float = LOG_RATIO_CLAMP
+    train_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    mode: str,
+    level: str,
+    lower: float,
+    upper: float,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP,
+    mismatch_threshold: float = MISMATCH_THRESHOLD,
 ) -> tuple[Tensor, dict[str, float]]:
     """Per-token IS weights [B, T] (no gradient) and metrics; inputs [B, T].
 
@@ -64,7 +76,7 @@ def importance_weights(
         bounded = torch.where(changed, torch.zeros_like(w), w)
     else:
         raise ValueError(f"unknown importance-sampling mode {mode!r} (available: tis, mis)")
-    metrics = mismatch_metrics(train_logprobs, rollout_logprobs, mask, log_ratio_clamp)
+    metrics = mismatch_metrics(train_logprobs, rollout_logprobs, mask, log_ratio_clamp, mismatch_threshold)
     metrics[f"mismatch/{mode}_{'clipped' if mode == 'tis' else 'masked'}_fraction"] = float(masked_mean(changed.float(), mask))
     metrics["mismatch/is_weight_mean"] = float(masked_mean(bounded, mask))
     return bounded * mask, metrics

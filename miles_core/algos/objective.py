@@ -85,7 +85,8 @@ def is_weights(algo: AlgoConfig, train_logprobs: Tensor, rollout_logprobs: Tenso
 
     Called only when algo.is_correction != "none"; weights multiply the per-token policy loss.
     """
-    return importance_weights(train_logprobs, rollout_logprobs, mask, algo.is_correction, algo.is_level, algo.is_lower, algo.is_upper, algo.log_ratio_clamp)
+    settings = (algo.is_correction, algo.is_level, algo.is_lower, algo.is_upper, algo.log_ratio_clamp, algo.mismatch_threshold)
+    return importance_weights(train_logprobs, rollout_logprobs, mask, *settings)
 
 
 def sft_loss(logprobs: Tensor, entropy: Tensor, mask: Tensor, extras: dict) -> tuple[Tensor, dict]:

@@ -7,7 +7,7 @@ a RunConfig is built; `load_recipe` also rejects unknown keys and wrong types, n
 path, before anything runs.
 """
 
-from miles_core.config.algo import ADVANTAGES, AGGREGATIONS, KL_TYPES, LOG_RATIO_CLAMP, POLICY_LOSSES, AlgoConfig
+from miles_core.config.algo import ADVANTAGES, AGGREGATIONS, KL_TYPES, LOG_RATIO_CLAMP, MISMATCH_THRESHOLD, POLICY_LOSSES, AlgoConfig
 from miles_core.config.async_phase import SCHEDULES, STALE_POLICIES, AsyncConfig
 from miles_core.config.base import ConfigError
 from miles_core.config.cluster import ACCELERATORS, ClusterConfig
@@ -26,6 +26,7 @@ __all__ = [
     "ENGINES",
     "KL_TYPES",
     "LOG_RATIO_CLAMP",
+    "MISMATCH_THRESHOLD",
     "MODEL_ARCHS",
     "PAUSE_MODES",
     "POLICY_LOSSES",

@@ -13,6 +13,7 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOG_RATIO_CLAMP = 20.0  # verl's bound on a log-ratio before exp: exp(20) ~ 4.9e8 stays finite in float32
+MISMATCH_THRESHOLD = 0.1  # |train - rollout log-prob| above it: the token's probability differs by more than ~10% (e^0.1 = 1.105)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class AlgoConfig:
     is_level: str = "token"  # token | sequence
     is_lower: float = 0.5
     is_upper: float = 2.0
+    mismatch_threshold: float = MISMATCH_THRESHOLD  # mismatch/beyond_threshold_fraction counts tokens with |train - rollout log-prob| above this
     advantage_fn: str = "miles_core.algos.objective:compute_advantages"  # plug-point
     loss_fn: str = "miles_core.algos.objective:policy_loss"  # plug-point
     is_correction_fn: str = "miles_core.algos.objective:is_weights"  # plug-point
@@ -70,6 +72,7 @@ class AlgoConfig:
         _check(self.is_correction in ("none", "tis", "mis"), "algo.is_correction", f"unknown correction {self.is_correction!r} (available: none, tis, mis)")
         _check(self.is_level in ("token", "sequence"), "algo.is_level", f"must be token or sequence, got {self.is_level!r}")
         _check(0 <= self.is_lower < 1 < self.is_upper, "algo.is_upper", "need 0 <= is_lower < 1 < is_upper")
+        _check(self.mismatch_threshold > 0, "algo.mismatch_threshold", f"must be > 0 (a log-prob difference), got {self.mismatch_threshold}")
         self._check_log_ratio_clamp()
 
     def _check_log_ratio_clamp(self):

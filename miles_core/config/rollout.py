@@ -98,6 +98,8 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 8
     seed: int = 0
+    dtype: str = "float32"  # float32 | bfloat16: the embedded torch engine's weights and compute (SGLang servers: sglang.dtype)
+    routing_replay: bool = False  # R3: the engine records each token's experts (MoE models), the trainer replays them
     generate_fn: str = "miles_core.step:generate"  # plug-point: generate(engine, prompts, tokenizer, params)
     # sampling control (DAPO dynamic sampling): keep generating until prompts_per_step groups pass
     # the filter, at most max_rounds rounds; each round asks for over_sample x the missing groups;
@@ -124,6 +126,7 @@ class RolloutConfig:
         _check(self.over_sample >= 1.0, "rollout.over_sample", "must be >= 1")
         _check(self.max_rounds >= 1, "rollout.max_rounds", "must be >= 1")
         _check(self.seed >= 0, "rollout.seed", "must be >= 0")
+        _check(self.dtype in ("float32", "bfloat16"), "rollout.dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
         _check(self.memory_gb >= 0, "rollout.memory_gb", f"must be >= 0 (GiB; 0 = sized from the GPUs), got {self.memory_gb}")
 
     def gpus(self) -> int:

@@ -4,8 +4,9 @@ Each rule is (key path it reports, when it applies, what must hold, why). A sect
 checks (ranges, finiteness, one key against its neighbour's bound) live in its dataclass; here are
 the rules that need two sections, or two settings whose combination is wrong although each is
 right: rollout log-probs with IS corrections, over-sampling without dynamic sampling, a backend
-with a precision or parallel size it does not read, parallel sizes with the model's shape,
-async phases with what they do not run (a critic), a GPU type without GPUs.
+with a parallel size or an engine with a precision it does not read, parallel sizes with the model's shape,
+async phases with what they do not run (a critic), QAT without the quantized publish it trains for,
+a GPU type without GPUs, routing replay without experts.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _torch_ignores(key: str, default):
         lambda c: c.train.backend == "torch",
         lambda c: getattr(c.train, key) == default,
         lambda c: (
-            f"{getattr(c.train, key)!r} is read by the megatron backend only (train.backend: torch trains in float32 on one process): "
+            f"{getattr(c.train, key)!r} is read by the megatron backend only (train.backend: torch holds the whole model in every process): "
             f"use {default!r} or train.backend: megatron"
         ),
     )
@@ -91,7 +92,6 @@ RULES: tuple[Rule, ...] = (
             "and growing stale, in the buffer: set over_sample: 1 or dynamic_sampling: true"
         ),
     ),
-    _torch_ignores("megatron_dtype", "float32"),
     _torch_ignores("tensor_parallel", 1),
     _torch_ignores("pipeline_parallel", 1),
     _torch_ignores("expert_parallel", 1),
@@ -132,6 +132,12 @@ RULES: tuple[Rule, ...] = (
         lambda c: "attached SGLang servers (rollout.sglang.urls) take weights from one rollout actor: set 1, or let each actor launch its own servers",
     ),
     Rule(
+        "rollout.dtype",
+        lambda c: c.rollout.engine == "sglang",
+        lambda c: c.rollout.dtype == "float32",
+        lambda c: f"{c.rollout.dtype!r} is read by the embedded torch engine only: an SGLang server computes in rollout.sglang.dtype (its --dtype)",
+    ),
+    Rule(
         "publish.quantization",
         lambda c: bool(c.publish.quantization),
         lambda c: c.rollout.engine == "torch",
@@ -139,6 +145,33 @@ RULES: tuple[Rule, ...] = (
             f"{c.publish.quantization} weights are computed with by the embedded torch engine; an SGLang server quantizes what it "
             "loads by its own flag (e.g. --quantization fp8 in rollout.sglang.extra_args): publish unquantized for it"
         ),
+    ),
+    Rule(
+        "train.qat",
+        lambda c: bool(c.train.qat),
+        lambda c: c.publish.quantization == c.train.qat,
+        lambda c: f"{c.train.qat} QAT trains against the weights the rollout computes with: set publish.quantization: {c.train.qat}, or qat: ''",
+    ),
+    Rule(
+        "train.qat_group_size",
+        lambda c: bool(c.train.qat) and c.publish.quantization == c.train.qat,
+        lambda c: c.train.qat_group_size == c.publish.group_size,
+        lambda c: f"must equal publish.group_size ({c.publish.group_size}): the trainer's groups of inputs are then the published weights' groups",
+    ),
+    Rule(
+        "train.qat",
+        lambda c: bool(c.train.qat),
+        lambda c: c.train.backend == "torch",
+        lambda c: (
+            "the megatron backend does not fake-quantize its projections (megatron-core's linear layers, whose row-parallel input "
+            "shards would each need whole groups): use train.backend: torch, or qat: ''"
+        ),
+    ),
+    Rule(
+        "rollout.routing_replay",
+        lambda c: c.rollout.routing_replay and not c.model.path,
+        lambda c: c.model.arch not in DENSE_ARCHS,
+        lambda c: f"routing replay records the experts each token is routed to, and model.arch {c.model.arch!r} has none: set it false or use an MoE arch",
     ),
     Rule(
         "async_phase.sync_iterations",

@@ -20,13 +20,15 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batch_size: int = 128
     seed: int = 0
+    dtype: str = "float32"  # float32 | bfloat16: the compute precision on either backend, fp32 master weights and Adam state (docs/precision.md)
+    qat: str = ""  # "" | int4: the forward computes with fake-quantized int4 projection weights, gradients straight through (train/qat.py)
+    qat_group_size: int = 128  # train.qat int4: inputs per scale, 32 | 128 (publish.group_size must agree)
     # megatron backend (megatron-core): parallel sizes; data parallel = nnodes x nproc_per_node / (tensor x pipeline)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     expert_parallel: int = 1  # MoE experts split over this many ranks of a pipeline stage (its tensor x data parallel ranks)
     nnodes: int = 1  # nodes (pods) of the distributed train task
     nproc_per_node: int = 2  # processes of the distributed train task per node (one per GPU on a GPU node)
-    megatron_dtype: str = "float32"  # float32 | bfloat16 (parameters and compute; grads reduced in fp32)
     gpus_per_node: int = 0  # GPUs requested by the distributed train task's pods (0 = CPU)
     memory_gb: int = 0  # host memory per train pod, GiB; 0 = 64 per GPU on GPU nodes, else the task's default
 
@@ -58,7 +60,7 @@ class TrainConfig:
             f"must divide nnodes x nproc_per_node / pipeline_parallel = {stage_ranks}: megatron forms expert groups from a pipeline stage's "
             "tensor- and data-parallel ranks (expert tensor parallel 1)",
         )
-        _check(self.megatron_dtype in ("float32", "bfloat16"), "train.megatron_dtype", f"must be float32 or bfloat16, got {self.megatron_dtype!r}")
+        _check(self.dtype in ("float32", "bfloat16"), "train.dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(self.grad_clip > 0, "train.grad_clip", "must be > 0")
         _check(self.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {self.weight_decay}")
@@ -69,6 +71,9 @@ class TrainConfig:
         _check(self.mini_batches > 0, "train.mini_batches", "must be > 0")
         _check(self.micro_batch_size > 0, "train.micro_batch_size", "must be > 0")
         _check(self.memory_gb >= 0, "train.memory_gb", f"must be >= 0 (GiB; 0 = sized from the GPUs), got {self.memory_gb}")
+        _check(self.qat in ("", "int4"), "train.qat", f"must be '' (off) or int4, got {self.qat!r}")
+        _check(self.qat_group_size in INT4_GROUP_SIZES, "train.qat_group_size", f"must be one of {INT4_GROUP_SIZES}, got {self.qat_group_size}")
+        _check(self.qat_group_size == 128 or self.qat == "int4", "train.qat_group_size", "is read by train.qat: int4 only: use 128")
 
 
 @dataclass(frozen=True)
@@ -83,17 +88,26 @@ class EvalConfig:
             _check(getattr(self, name) > 0, f"evaluation.{name}", "must be > 0")
 
 
-QUANTIZATIONS = ("", "fp8", "mxfp8")
+QUANTIZATIONS = ("", "fp8", "mxfp8", "int4")
+INT4_GROUP_SIZES = (32, 128)  # inputs of a row that share one int4 scale (weights/int4.py)
 
 
 @dataclass(frozen=True)
 class PublishConfig:
     dtype: str = "float32"  # dtype of the published HF safetensors
-    quantization: str = ""  # "" | fp8 (128 x 128 blocks) | mxfp8: the rollout engines' linear weights (weights/quantize.py)
+    quantization: str = ""  # "" | fp8 (128 x 128 blocks) | mxfp8 | int4: the rollout engines' linear weights (weights/quantize.py)
+    group_size: int = 128  # int4: inputs per scale, 32 | 128
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16"), "publish.dtype", f"unknown dtype {self.dtype!r}")
         _check(self.quantization in QUANTIZATIONS, "publish.quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        _check(self.group_size in INT4_GROUP_SIZES, "publish.group_size", f"must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
+        _check(self.group_size == 128 or self.quantization == "int4", "publish.group_size", "is read by publish.quantization: int4 only: use 128")
+
+    @property
+    def fmt(self) -> str:
+        """The weights' format as weights/quantize.py names it ("" = unquantized)."""
+        return f"int4-g{self.group_size}" if self.quantization == "int4" else self.quantization
 
 
 @dataclass(frozen=True)
@@ -122,8 +136,10 @@ class HealthConfig:
     max_grad_norm: float = 0.0  # the largest gradient norm of the step's optimizer steps, before clipping
     min_reward_std: float = 0.0  # the batch's reward standard deviation: below it, every sample scores alike (collapse)
     max_staleness: int = 0  # async phase: policy versions between a sample's generation and the step that trains on it
+    min_routing_agreement: float = 0.0  # R3: share of the rollout's experts the trainer's routers choose too (routing/agreement)
 
     def __post_init__(self):
         check_finite(self, "health")
-        for key in ("max_mismatch_kl", "max_grad_norm", "min_reward_std", "max_staleness"):
+        for key in ("max_mismatch_kl", "max_grad_norm", "min_reward_std", "max_staleness", "min_routing_agreement"):
             _check(getattr(self, key) >= 0, f"health.{key}", f"must be >= 0 (0: the gate is off), got {getattr(self, key)}")
+        _check(self.min_routing_agreement <= 1, "health.min_routing_agreement", f"is a share of experts, at most 1, got {self.min_routing_agreement}")

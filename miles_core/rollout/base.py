@@ -8,7 +8,7 @@ meaningful for every engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 FINISH_STOP = "stop"
@@ -64,12 +64,15 @@ class Generation:
         temperature 0: under softmax(logits)). This is what a trainer recomputes.
     finish_reason: "stop" (ended by a stop token) or "length" (max_new_tokens reached).
     weight_version: the policy version that produced the whole response.
+    routed_experts: with routing recorded (rollout.routing_replay), the experts of every position fed to the model
+        (prompt and response but its last token), flattened [position, MoE layer, k] (miles_core/routing.py); else empty.
     """
 
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str
     weight_version: int
+    routed_experts: list[int] = field(default_factory=list)
 
 
 @runtime_checkable

@@ -40,6 +40,7 @@ from miles_core.chat import end_of_turn, prompt_tokens, tool_call_end, tool_turn
 from miles_core.config import MultiTurnConfig, RolloutConfig
 from miles_core.data.source import Prompt
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, RolloutEngine, SamplingParams
+from miles_core.routing import prefix
 from miles_core.samples import Sample
 from miles_core.tools import TOOLS
 from miles_core.tools.sandbox import SandboxLimits
@@ -65,6 +66,7 @@ class Conversation:
     mask: list[int] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     stop_reason: str = ""
+    routed_experts: list[int] = field(default_factory=list)  # of the last model turn's call: every position it fed
 
     @property
     def done(self) -> bool:
@@ -73,6 +75,8 @@ class Conversation:
     def add_model_turn(self, g: Generation, budget: int) -> list[int]:
         """Append the generated tokens (cut at the token budget); returns the tokens kept."""
         kept = g.tokens[: budget - len(self.tokens)]
+        fed = len(self.prompt_tokens) + len(self.tokens) + len(g.tokens) - 1
+        self.routed_experts = prefix(g.routed_experts, fed, fed - len(g.tokens) + len(kept))
         self.turns.append({"role": "assistant", "start": len(self.tokens), "end": len(self.tokens) + len(kept), "weight_version": g.weight_version})
         self.tokens += kept
         self.logprobs += g.logprobs[: len(kept)]
@@ -92,6 +96,7 @@ class Conversation:
         self.tokens += tokens
         self.logprobs += [0.0] * len(tokens)
         self.mask += [0] * len(tokens)
+        self.routed_experts = []  # the next model turn's call feeds these; without one the trainer routes this sample itself
 
     def sample(self) -> Sample:
         versions = [t["weight_version"] for t in self.turns if t["role"] == "assistant"]
@@ -106,6 +111,7 @@ class Conversation:
             weight_version=min(versions),
             label=self.prompt.label,
             metadata={**self.prompt.metadata, "turns": self.turns, "stop_reason": self.stop_reason},
+            routed_experts=self.routed_experts,
         )
 
 

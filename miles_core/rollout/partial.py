@@ -32,6 +32,7 @@ def generate_segmented(
             s = samples[i]
             s.response_tokens, s.rollout_logprobs = s.response_tokens + g.tokens, s.rollout_logprobs + g.logprobs
             s.loss_mask, s.finish_reason = s.loss_mask + [1] * len(g.tokens), g.finish_reason
+            s.routed_experts = g.routed_experts  # the continuation fed the whole sample: its routing covers every position
             versions[i] += [g.weight_version] * len(g.tokens)
     return [_versioned(s, v, cfg.mask_stale_tokens) for s, v in zip(samples, versions)], metrics
 

@@ -70,7 +70,7 @@ def export_policy(
         trainer = TorchDistCheckpoint(ckpt_dir)
     else:
         trainer = TorchTrainer.load(ckpt_dir, cfg)
-    return publish(trainer, ckpt_dir, out_dir, publish_cfg.dtype, version, parent_version, source, publish_cfg.quantization)
+    return publish(trainer, ckpt_dir, out_dir, publish_cfg.dtype, version, parent_version, source, publish_cfg.fmt)
 
 
 def save_checkpoint(trainer: Trainer, critic: Trainer | None, out_dir: Path, tokenizer_dir: str) -> None:
@@ -97,7 +97,7 @@ def train_checkpoint(
 
 
 def _critic_cfg(algo: AlgoConfig, cfg: TrainConfig) -> TrainConfig:
-    return dataclasses.replace(cfg, lr=algo.critic_lr)
+    return dataclasses.replace(cfg, lr=algo.critic_lr, qat="", qat_group_size=128)  # values are not rolled out: no QAT
 
 
 def new_critic(algo: AlgoConfig, cfg: TrainConfig, policy_dir: str, ckpt_dir) -> None:

@@ -41,12 +41,13 @@ class PackedBatch:
     response_mask: torch.Tensor  # [B, T] 1 where a response token exists
     loss_mask: torch.Tensor  # [B, T] the samples' loss masks, 0 on padding
     rollout_logprobs: torch.Tensor  # [B, T]
+    routed_experts: torch.Tensor | None = None  # [B, L, MoE layers x k] the rollout's experts (R3), -1 where none
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, rows: slice) -> PackedBatch:
-        return PackedBatch(*(t[rows] for t in self.__dict__.values()))
+        return PackedBatch(*(None if t is None else t[rows] for t in self.__dict__.values()))
 
 
 def pack(samples: list[Sample], pad_id: int) -> PackedBatch:
@@ -67,7 +68,21 @@ def pack(samples: list[Sample], pad_id: int) -> PackedBatch:
         response_mask[i, :R] = 1
         loss_mask[i, :R] = torch.tensor(s.loss_mask, dtype=torch.float)
         rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
-    return PackedBatch(input_ids, attention_mask, gather_index, response_mask, loss_mask, rollout_logprobs)
+    return PackedBatch(input_ids, attention_mask, gather_index, response_mask, loss_mask, rollout_logprobs, _routing(samples, L))
+
+
+def _routing(samples: list[Sample], L: int) -> torch.Tensor | None:
+    """[B, L, layers x k] of the samples' recorded routing (miles_core/routing.py), -1 where none; None when no sample has any."""
+    recorded = [s for s in samples if s.routed_experts]
+    if not recorded:
+        return None
+    s = recorded[0]
+    routing = torch.full((len(samples), L, len(s.routed_experts) // (len(s.prompt_tokens) + len(s.response_tokens) - 1)), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        if s.routed_experts:
+            fed = torch.tensor(s.routed_experts).view(len(s.prompt_tokens) + len(s.response_tokens) - 1, -1)
+            routing[i, : fed.shape[0]] = fed
+    return routing
 
 
 class Trainer(Protocol):
@@ -95,6 +110,10 @@ class Trainer(Protocol):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's full weights under HF names (what a rollout engine loads in memory)."""
+
+    def routing_metrics(self) -> dict[str, float]:
+        """{"routing/agreement": share of the replayed experts the routers chose themselves} over the last `logprobs`
+        pass of a batch that carried routing (R3); {} when none did."""
 
 
 class TrainerBase:
@@ -129,6 +148,9 @@ class TrainerBase:
 
     def _barrier(self) -> None:
         pass
+
+    def routing_metrics(self) -> dict[str, float]:
+        return {}  # a backend that replays routing reports its agreement
 
     # the shared loop ------------------------------------------------------------------------------
     def train_on(

@@ -9,11 +9,14 @@ same arithmetic as DDP; every process then holds the same weights, and rank 0 wr
 transformer with a scalar head, HF's *ForTokenClassification), for PPO; its `logprobs` are
 the values V(s_t) of the state before each response token.  A checkpoint is a directory holding the model as HF safetensors
 (`save_pretrained`), `optimizer.pt` and `trainer_state.json` (step, torch RNG state), so a
-resumed run continues bitwise on CPU.
+resumed run continues bitwise on CPU.  The weights and AdamW state are fp32 whatever train.dtype says; with
+bfloat16 the forward passes run under `torch.autocast` (matrix products in bf16, as HF Trainer's bf16=True), and
+log-probs and entropy are taken in fp32 from the bf16 logits (algos/kl.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -25,7 +28,9 @@ from transformers import AutoModelForTokenClassification
 from miles_core.algos.kl import entropy_from_logits, token_logprobs
 from miles_core.config import TrainConfig
 from miles_core.models import load_causal_lm
+from miles_core.routing import RouterTaps
 from miles_core.train.base import LossFn, PackedBatch, TrainerBase
+from miles_core.train.qat import fake_quantize_forward
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,6 +57,9 @@ class TorchTrainer(TrainerBase):
         self.model = model.float().train()
         self.cfg = cfg
         self.step = step
+        if cfg.qat:  # the forward computes with the int4 weights the published policy holds (train/qat.py)
+            fake_quantize_forward(self.model, cfg.qat_group_size)
+        self.taps: RouterTaps | None = None  # built on the first batch that carries routing
         trained = [p for p in self.model.parameters() if p.requires_grad]  # all but a frozen vision tower (load_causal_lm)
         self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 
@@ -89,7 +97,8 @@ class TorchTrainer(TrainerBase):
         self.model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
 
     def _forward(self, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]  # [b, L-1, V]
+        with self._replaying(batch):
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]  # [b, L-1, V]
         index = batch.gather_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         response_logits = logits.gather(1, index)  # [b, T, V]
         targets = batch.input_ids[:, 1:].gather(1, batch.gather_index)  # [b, T]
@@ -97,10 +106,30 @@ class TorchTrainer(TrainerBase):
         entropy = entropy_from_logits(response_logits / temperature) * batch.response_mask  # in the graph: entropy bonus
         return logprobs, entropy
 
+    def _compute_precision(self) -> torch.autocast:
+        """The context of every forward pass: bf16 autocast when train.dtype is bfloat16, else a no-op."""
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16")
+
+    def _replaying(self, batch: PackedBatch):
+        """The rollout's experts forced on the batch's positions where it carries routing (R3), else nothing."""
+        if batch.routed_experts is None:
+            return contextlib.nullcontext()
+        if self.taps is None:
+            self.taps = RouterTaps(self.model)
+        return self.taps.replaying(batch.routed_experts)
+
+    def routing_metrics(self) -> dict[str, float]:
+        common, positions = self.taps.agreement if self.taps is not None else (0.0, 0.0)
+        return {"routing/agreement": common / positions} if positions else {}
+
     @torch.no_grad()
     def logprobs(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
+        if self.taps is not None:
+            self.taps.agreement = (0.0, 0.0)  # routing_metrics: of this pass
         step = self.cfg.micro_batch_size
-        return torch.cat([self._forward(batch.select(slice(i, i + step)), temperature)[0] for i in range(0, len(batch), step)])
+        with self._compute_precision():
+            return torch.cat([self._forward(batch.select(slice(i, i + step)), temperature)[0] for i in range(0, len(batch), step)])
 
     def _backward(self, mini: PackedBatch, weights: torch.Tensor, extras: dict, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         """This process's rows of the mini-batch in micro-batches; with several processes the gradients
@@ -113,7 +142,8 @@ class TorchTrainer(TrainerBase):
         for start in range(0, len(mini), self.cfg.micro_batch_size):
             micro_rows = slice(start, start + self.cfg.micro_batch_size)
             micro = mini.select(micro_rows)
-            logprobs, entropy = self._forward(micro, temperature)
+            with self._compute_precision():
+                logprobs, entropy = self._forward(micro, temperature)
             loss, metrics = loss_fn(logprobs, entropy, micro.loss_mask, {k: v[micro_rows] for k, v in extras.items()})
             (loss * weights[micro_rows]).sum().backward()
             if entropy is not None:

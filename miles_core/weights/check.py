@@ -86,6 +86,16 @@ def _read_tensors(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
         raise CheckpointError(f"{file}: not a whole safetensors file ({_clip(str(err))})") from None
 
 
+def _int4_as_restored(found: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """An int4 weight (weights/int4.py: `<name>_packed` int32 [out, in / 8] beside `<name>_scale`) as the weight
+    `load_causal_lm` restores from it: `<name>` [out, in] in its scale's dtype."""
+    for packed in [n for n in found if n.endswith("_packed") and n.removesuffix("_packed") + "_scale" in found]:
+        (out, words), _ = found.pop(packed)
+        weight = packed.removesuffix("_packed")
+        found[weight] = ((out, words * 8), found[weight + "_scale"][1])  # eight 4-bit values a word
+    return found
+
+
 def check_hf_dir(path: str | Path, tokenizer: bool = True) -> None:
     """Raise CheckpointError unless `path` is an HF weight directory `load_causal_lm` can load (text or multimodal)."""
     directory = Path(path)
@@ -95,6 +105,7 @@ def check_hf_dir(path: str | Path, tokenizer: bool = True) -> None:
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in _weight_files(directory):
         found.update(_read_tensors(file))
+    found = _int4_as_restored(found)
     for name, shape in _expected_tensors(directory, config).items():
         if name not in found:
             raise CheckpointError(f"{directory}: tensor {name} missing from the weight files")

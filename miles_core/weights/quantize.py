@@ -1,4 +1,4 @@
-"""Low-precision rollout weights: a published policy's linear layers in FP8 (e4m3), as SGLang loads them.
+"""Low-precision rollout weights: a published policy's linear layers in FP8 (e4m3) or INT4, as SGLang loads them.
 
 * "fp8": DeepSeek-V3's block quantization. Each 128 x 128 block of a weight [out, in] shares one fp32 scale,
   its absolute maximum over 448 (e4m3's largest value); the checkpoint holds the e4m3 `weight` and that scale
@@ -7,11 +7,14 @@
 * "mxfp8": OCP Microscaling. Each run of 32 inputs of a row shares a power-of-two scale 2^(floor(log2 amax) - 8)
   (8: e4m3's largest exponent), stored as its biased exponent (E8M0: uint8, 127 = 2^0) in `weight_scale_inv`
   [out, in / 32]; quant_method "mxfp8", weight_block_size [1, 32]. A value above 448 after scaling saturates.
+* "int4-g32", "int4-g128": symmetric int4 per run of 32 or 128 inputs of a row, packed as compressed-tensors'
+  W4A16 "pack-quantized" format (weights/int4.py): `<name>_packed`, `<name>_scale`, `<name>_shape` replace the weight.
 
 Quantized: the 2-D projection weights of the decoder layers (attention q/k/v/o and the MLA projections, the MLP's and
 each expert's gate/up/down). Embeddings, the output layer, norms and routers stay as published, as in DeepSeek's FP8
-checkpoints. Training never sees these weights: the trainer keeps its own precision, and the train/rollout mismatch
-they add is measured each step (mismatch/*) and corrected by TIS/MIS (algo.is_correction).
+checkpoints. The trainer keeps its own precision (with train.qat its forward computes with the int4 numbers,
+train/qat.py), and the train/rollout mismatch they add is measured each step (mismatch/*) and corrected by TIS/MIS
+(algo.is_correction).
 """
 
 from __future__ import annotations
@@ -23,14 +26,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles_core.config.train import INT4_GROUP_SIZES
+from miles_core.weights.int4 import compressed_tensors_config, dequantize_int4, pack_int4, quantize_int4, unpack_int4
+
 FP8_MAX = 448.0  # e4m3's largest finite value
 FP8_MAX_EXP = 8  # its exponent: 448 = 1.75 * 2^8
 E8M0_BIAS = 127
 BLOCK = 128  # fp8: 128 x 128 blocks
 MX_BLOCK = 32  # mxfp8: 32 inputs of a row
+INT4 = {f"int4-g{group}": group for group in INT4_GROUP_SIZES}  # format -> its group size
 FORMATS = {
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]},
     "mxfp8": {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, MX_BLOCK]},
+    **{fmt: compressed_tensors_config(group) for fmt, group in INT4.items()},
 }
 _PROJECTION = re.compile(r"(^|\.)layers\.\d+\..*proj(_with_mqa)?\.weight$")
 SCALE_SUFFIX = "_scale_inv"
@@ -72,6 +80,8 @@ def quantize_mxfp8(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor,
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if fmt in INT4:
+        return dequantize_int4(unpack_int4(q), scale_inv, dtype)
     if fmt == "mxfp8":
         factor = _spread(torch.exp2(scale_inv.float() - E8M0_BIAS), 1, MX_BLOCK, q.shape)
     else:
@@ -80,28 +90,47 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, fmt: str, dtype: torch.
 
 
 def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, weight_scale_inv) of a weight [N, K] in `fmt`."""
+    """(e4m3 weight, weight_scale_inv) of a weight [N, K] in `fmt`; for int4, (packed int32 weight, scale)."""
+    if fmt in INT4:
+        q, scale = quantize_int4(w, INT4[fmt], name)
+        return pack_int4(q), scale
     return quantize_mxfp8(w, name) if fmt == "mxfp8" else quantize_fp8(w)
 
 
+def _suffixes(fmt: str) -> tuple[str, str]:
+    """What a quantized weight's name and its scale's take on in `fmt`'s checkpoints."""
+    return ("_packed", "_scale") if fmt in INT4 else ("", SCALE_SUFFIX)
+
+
 def quantize_state(state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
-    """The state with each quantizable weight as its e4m3 tensor and `<name>_scale_inv` beside it."""
+    """The state with each quantizable weight as its e4m3 tensor and `<name>_scale_inv` beside it; for int4 as
+    `<name>_packed`, `<name>_scale` and `<name>_shape` (compressed-tensors' names)."""
+    packed, scaled = _suffixes(fmt)
     out = {}
     for name, tensor in state.items():
         if quantizable(name, tensor):
-            out[name], out[name + SCALE_SUFFIX] = quantize(tensor, fmt, name)
+            out[name + packed], out[name + scaled] = quantize(tensor, fmt, name)
+            if fmt in INT4:
+                out[name + "_shape"] = torch.tensor(tensor.shape)
         else:
             out[name] = tensor
     return out
 
 
 def dequantize_state(state: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """The state with every `<name>` that has a `<name>_scale_inv` restored to `dtype`, the scales dropped."""
-    return {
-        name: dequantize(t, state[name + SCALE_SUFFIX], fmt, dtype) if name + SCALE_SUFFIX in state else t
-        for name, t in state.items()
-        if not name.endswith(SCALE_SUFFIX)
-    }
+    """The state with every quantized weight (one with a scale beside it) restored to `dtype` under its own name,
+    its scale (and int4's shape) dropped."""
+    packed, scaled = _suffixes(fmt)
+    weights = {n.removesuffix(scaled) for n in state if n.endswith(scaled) and n.removesuffix(scaled) + packed in state}
+    dropped = {w + suffix for w in weights for suffix in (scaled, "_shape")}
+    out = {}
+    for name, t in state.items():
+        weight = name.removesuffix(packed)
+        if weight in weights and name == weight + packed:
+            out[weight] = dequantize(t, state[weight + scaled], fmt, dtype)
+        elif name not in dropped:
+            out[name] = t
+    return out
 
 
 def fake_quantized(state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
@@ -110,9 +139,12 @@ def fake_quantized(state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.
 
 
 def quantization_format(config: dict) -> str | None:
-    """'fp8' / 'mxfp8' for a checkpoint these functions quantized (config.json's quantization_config), else None."""
-    method = (config.get("quantization_config") or {}).get("quant_method")
-    return method if method in FORMATS else None
+    """'fp8' / 'mxfp8' / 'int4-g<group>' for a checkpoint these functions quantized (config.json's
+    quantization_config: for int4, exactly the configuration written here), else None."""
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("quant_method") in ("fp8", "mxfp8"):
+        return quantization["quant_method"]
+    return next((fmt for fmt in INT4 if FORMATS[fmt] == quantization), None)
 
 
 def quantize_dir(directory: str | Path, fmt: str) -> None:

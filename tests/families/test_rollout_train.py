@@ -1,6 +1,7 @@
 """Each family end to end on the torch path: the embedded engine rolls out under the family's chat
 template, the trainer's log-probs of those tokens equal the engine's, one RL step changes the weights,
-and the published policy loads with `from_pretrained`.
+and the published policy loads with `from_pretrained`.  A mixture-of-experts family records its routing in rollout and
+the trainer replays it (R3): every family's routers take the recorded experts, and other experts change its log-probs.
 
 Log-prob parity is checked in fp32 to an absolute 1e-5 per token: the engine decodes left-padded
 batches step by step with a cache, the trainer runs one right-padded forward pass, so only summation
@@ -9,6 +10,7 @@ order differs (measured here: at most 1e-6 for every family over three seeds).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,9 +18,11 @@ import torch
 import transformers
 
 from miles_core.config import AlgoConfig, RolloutConfig, TrainConfig
+from miles_core.config.model import DENSE_ARCHS
 from miles_core.data.source import Prompt
 from miles_core.models.loading import is_multimodal
 from miles_core.rollout.engines import make_engine
+from miles_core.routing import moe_sizes
 from miles_core.step import bind, generate, sampling_params, train_step
 from miles_core.train.base import pack
 from miles_core.train.torch_backend import TorchTrainer
@@ -41,7 +45,8 @@ def rollout(family_dir, family_tokenizer):
 
     def get(arch: str):
         if arch not in done:
-            engine = make_engine(ROLLOUT, family_dir(arch), 0)
+            config = transformers.AutoConfig.from_pretrained(family_dir(arch)).get_text_config(decoder=True)
+            engine = make_engine(dataclasses.replace(ROLLOUT, routing_replay=moe_sizes(config) != (0, 0)), family_dir(arch), 0)
             tokenizer = family_tokenizer(arch)
             samples, _ = generate(engine, PROMPTS, tokenizer, sampling_params(ROLLOUT, tokenizer, seed=7))
             for s in samples:
@@ -74,6 +79,19 @@ def test_the_trainer_logprobs_of_the_rollout_equal_the_engines(arch, rollout, fa
     rolled = batch.rollout_logprobs  # [B, T]
     gap = ((trained - rolled) * batch.response_mask).abs().max().item()
     assert gap <= PARITY_ATOL, f"{arch}: max |trainer - engine| log-prob {gap:.2e}"
+    assert trainer.routing_metrics() == ({} if batch.routed_experts is None else {"routing/agreement": 1.0})
+
+
+@pytest.mark.parametrize("arch", [a for a in FAMILIES if a not in DENSE_ARCHS])
+def test_other_experts_replayed_change_the_logprobs(arch, rollout, family_dir, family_tokenizer):
+    """The replay acts on every MoE family's routers: the next expert instead of each recorded one moves the log-probs."""
+    samples = rollout(arch)
+    experts = moe_sizes(transformers.AutoConfig.from_pretrained(family_dir(arch)).get_text_config(decoder=True))[0]
+    moved = [dataclasses.replace(s, routed_experts=[(e + 1) % experts for e in s.routed_experts]) for s in samples]
+    trainer = TorchTrainer.from_hf(family_dir(arch), TrainConfig())
+    batch = pack(moved, family_tokenizer(arch).pad_token_id)
+    gap = ((trainer.logprobs(batch, ROLLOUT.temperature) - batch.rollout_logprobs) * batch.response_mask).abs().max().item()
+    assert gap > 1e-3 and trainer.routing_metrics()["routing/agreement"] < 1.0
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -45,7 +45,7 @@ def test_every_real_size_recipe_has_its_published_shape_and_a_twin():
 def test_recipe_trains_a_named_checkpoint_on_gpus(name):
     cfg = recipe(name)
     assert cfg.model.path.startswith("s3://models/")  # the placeholder bucket each recipe tells the user to replace
-    assert (cfg.train.backend, cfg.train.megatron_dtype, cfg.publish.dtype) == ("megatron", "bfloat16", "bfloat16")
+    assert (cfg.train.backend, cfg.train.dtype, cfg.publish.dtype) == ("megatron", "bfloat16", "bfloat16")
     assert (cfg.rollout.engine, cfg.rollout.sglang.device, cfg.rollout.sglang.dtype) == ("sglang", "cuda", "bfloat16")
     assert cfg.data.train_file and cfg.sft.steps == 0 and cfg.rollout.max_new_tokens >= 4096
 
@@ -156,7 +156,7 @@ def test_the_twin_is_the_recipe_scaled_down_to_two_cpu_processes(name):
     assert twin.algo == real.algo and twin.train.lr == real.train.lr
     # the recipe's megatron backend in its precision, or torch for exactly the families the megatron converter does not take yet
     megatron = twin.model.arch in ARCHS
-    assert (twin.train.backend, twin.train.megatron_dtype) == ((real.train.backend, real.train.megatron_dtype) if megatron else ("torch", "float32"))
+    assert (twin.train.backend, twin.train.dtype) == ((real.train.backend, real.train.dtype) if megatron else ("torch", "float32"))
     assert twin.model.path == "" and twin.train.gpus_per_node == 0 and twin.rollout.gpus() == 0
     assert twin.train.nnodes * twin.train.nproc_per_node == 2
     scaled = [(getattr(twin.train, k), getattr(real.train, k)) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel")]

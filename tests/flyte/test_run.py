@@ -12,6 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from miles_core.models.source import checkpoint_digest, read_source
+from miles_core.schemas import read_batch
 from miles_core.storage import sha256_file
 from tests.conftest import REPO, final_policy, run_workflow, workflow_command, workflow_env
 
@@ -108,3 +109,17 @@ def test_fp8_rollout_runs_the_loop_and_raises_the_measured_mismatch(smoke_run, t
 
     quantized, plain = mismatch_at_iteration_2(root), mismatch_at_iteration_2(smoke_run[0])
     assert math.isfinite(quantized) and quantized > 10 * plain
+
+
+def test_routing_replay_stores_the_rollouts_experts_with_its_batch_and_replays_them(tmp_path):
+    """rollout.routing_replay on an MoE smoke model: the rollout task's batch (what the score and train pods download)
+    carries every sample's experts, and each training step replays them: the agreement it logs is 1 (rollout and
+    trainer hold the same weights in fp32), and the run learns on as without replay."""
+    root = tmp_path / "runs"
+    run_workflow("recipes/smoke.yaml", root, tmp_path / "home", "iterations=1", "sft.steps=10", "model.arch=qwen3_moe", "rollout.routing_replay=true")
+    (scored,) = root.glob("scored/*.parquet")
+    samples = read_batch(scored, scored=True)
+    assert all(len(s.routed_experts) == (len(s.prompt_tokens) + len(s.response_tokens) - 1) * 2 * 2 for s in samples)  # 2 layers, top-2
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert run.data.metrics["routing_agreement"] == 1.0 and math.isfinite(run.data.metrics["train_loss"])

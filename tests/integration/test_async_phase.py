@@ -198,6 +198,21 @@ def test_fp8_pushes_and_publishes_quantized_weights(cluster, start, tmp_path):
     assert later and all(m > 10 * first for m in later)
 
 
+def test_int4_qat_trains_on_the_pushed_int4_weights(cluster, start, tmp_path):
+    """publish.quantization=int4 with train.qat=int4 (groups of 32): every push hands the actors the int4 numbers the
+    trainer's forward computes with, and the phase's policy is published packed. The first step trains on the
+    unquantized starting policy's samples (the int4 rounding shows); with max_staleness 0 the later steps train only on
+    samples of pushed int4 weights, and their mismatch is rounding only."""
+    spec = spec_for(start, update_weights_interval=1, max_staleness=0)
+    qat, int4 = dataclasses.replace(spec.train, qat="int4", qat_group_size=32), PublishConfig(quantization="int4", group_size=32)
+    spec = dataclasses.replace(spec, train=qat, publish=int4)
+    result = run_phase(spec, str(tmp_path / "ckpt"), str(tmp_path / "policy"))
+    config = json.loads((tmp_path / "policy" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized" and config["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    first, *later = [m["mismatch/abs_logprob_diff"] for m in result.steps]
+    assert first > 1e-3 and later and all(m < 1e-5 for m in later)
+
+
 def test_an_async_phase_rolls_out_in_a_real_sglang_server(cluster, start, tmp_path):
     """The rollout actor's engine is SGLang (CPU), attached by URL to a server launched here (one actor:
     a server takes weights from one client); every

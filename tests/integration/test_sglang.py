@@ -107,9 +107,10 @@ def test_generate_shapes_stop_tokens_and_versions(engine):
     assert reasons == {FINISH_STOP, FINISH_LENGTH}
 
 
-def trainer_logprob_gap(policy_dir: str, prompts: list, out: list, temperature: float, pad_id: int) -> float:
+def trainer_logprob_gap(policy_dir: str, prompts: list, out: list, temperature: float, pad_id: int) -> tuple[float, dict]:
     """The largest |engine - TorchTrainer| log-prob over the response tokens of `out` (the engine's generate output for
-    `prompts`), the trainer on the weights of `policy_dir`."""
+    `prompts`), the trainer on the weights of `policy_dir` replaying the engine's routing where it recorded any, and the
+    trainer's routing metrics."""
     samples = [
         Sample(
             prompt_id=str(p),
@@ -121,13 +122,15 @@ def trainer_logprob_gap(policy_dir: str, prompts: list, out: list, temperature: 
             finish_reason=g.finish_reason,
             weight_version=g.weight_version,
             label="",
+            routed_experts=g.routed_experts,
         )
         for p, gens in enumerate(out)
         for i, g in enumerate(gens)
     ]
     batch = pack(samples, pad_id=pad_id)
-    recomputed = TorchTrainer.from_hf(policy_dir, TrainConfig()).logprobs(batch, temperature)  # [B, T]
-    return ((recomputed - batch.rollout_logprobs).abs() * batch.response_mask).max().item()
+    trainer = TorchTrainer.from_hf(policy_dir, TrainConfig())
+    recomputed = trainer.logprobs(batch, temperature)  # [B, T]
+    return ((recomputed - batch.rollout_logprobs).abs() * batch.response_mask).max().item(), trainer.routing_metrics()
 
 
 def test_logprobs_match_trainer_recompute(engine, policies):
@@ -135,7 +138,7 @@ def test_logprobs_match_trainer_recompute(engine, policies):
     engine.load_weights(policies[0], 0)
     temperature = 0.7
     out = engine.generate(PROMPTS, SamplingParams(n=4, temperature=temperature, max_new_tokens=10, stop_token_ids=(EOS,), seed=2))
-    gap = trainer_logprob_gap(policies[0], PROMPTS, out, temperature, pad_id=0)
+    gap, _ = trainer_logprob_gap(policies[0], PROMPTS, out, temperature, pad_id=0)
     assert gap < LOGPROB_TOLERANCE, f"max |SGLang - trainer| log-prob gap {gap:.2e}"
 
 

@@ -3,7 +3,8 @@
 For each family of the families tier (tests/families/conftest.py) the tiny checkpoint is built, a server
 is launched on it (one per family: each holds its own model), a few chat prompts are rolled out greedily
 through SGLangEngine, and the log-probs SGLang reports for its tokens are compared with the torch
-trainer's on the same tokens (fp32 on both sides).
+trainer's on the same tokens (fp32 on both sides).  A mixture-of-experts family's server returns the experts
+of every token (--enable-return-routed-experts, R3); the trainer replays them, and its own routers agree.
 
 A family SGLang cannot serve at tiny size on CPU is in REFUSED (miles_core/rollout/engines/sglang_families.py, which
 admission reads) with the error it stops with; its test
@@ -23,6 +24,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from miles_core.config import SGLangConfig
+from miles_core.config.model import DENSE_ARCHS
 from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engines.sglang import SGLangEngine
@@ -60,7 +62,7 @@ def family_dir(tmp_path_factory):
 def launch(arch: str, policy_dir: str) -> SGLangEngine:
     sglang_env_python()
     cfg = SGLangConfig(startup_timeout_s=600, max_total_tokens=4096, max_batch_sequences=8, max_concurrency=1, extra_args=SERVE_ARGS.get(arch, ""))
-    return SGLangEngine(cfg, policy_dir, version=0)
+    return SGLangEngine(cfg, policy_dir, version=0, record_routing=arch not in DENSE_ARCHS)
 
 
 @pytest.mark.parametrize("arch", family_params(SERVED))
@@ -77,9 +79,13 @@ def test_family_is_served_and_its_logprobs_equal_the_trainers(arch, family_dir, 
     for (gen,) in out:
         assert 1 <= len(gen.tokens) == len(gen.logprobs) <= GREEDY.max_new_tokens
         assert all(math.isfinite(lp) and lp <= 0 for lp in gen.logprobs)
-    gap = trainer_logprob_gap(policy, prompts, out, 1.0, pad_id=tokenizer.pad_token_id)  # greedy log-probs are softmax(logits)
+    gap, routing = trainer_logprob_gap(policy, prompts, out, 1.0, pad_id=tokenizer.pad_token_id)  # greedy log-probs are softmax(logits)
     record_property("max_logprob_gap", gap)  # in --junitxml reports: the families' table
     assert gap < LOGPROB_TOLERANCE, f"{arch}: max |SGLang - trainer| log-prob gap {gap:.2e}"
+    if arch not in DENSE_ARCHS:  # SGLang's experts, replayed: the trainer's routers choose the same on these fp32 weights
+        fed = [len(p) + len(g.tokens) - 1 for p, (g,) in zip(prompts, out)]
+        assert [len(g.routed_experts) % n for n, (g,) in zip(fed, out)] == [0] * len(out)
+        assert routing["routing/agreement"] > 0.99
 
 
 @pytest.mark.parametrize("arch", family_params(REFUSED))

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from miles_core.algos.corrections import importance_weights, mismatch_metrics
 from miles_core.algos.kl import kl_penalty
 from miles_core.algos.losses import loss_weights
+from miles_core.algos.objective import is_weights
+from miles_core.config import AlgoConfig
 from tests.unit.test_algos_library import LN2, PROPERTY, batches, close, randn
 
 # --------------------------------------------------------------------------- loss weights
@@ -128,15 +130,31 @@ def test_mismatch_metrics_by_hand():
     #   |delta logp|: (0.6931 + 0) / 2 = 0.3466
     #   KL(rollout || train), k3 with r = w: (2 - 1 - ln 2 + 0) / 2 = 0.3069 / 2 = 0.1534
     #   ESS ratio: (2 + 1)^2 / (2 * (4 + 1)) = 9 / 10 = 0.9
+    #   beyond the default threshold 0.1: ln 2 = 0.69 is, 0 is not -> 1 / 2
     train = torch.tensor([[LN2, 0.0, 5.0]])
     metrics = mismatch_metrics(train, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 0.0]]))
-    assert metrics.keys() == {"mismatch/abs_logprob_diff", "mismatch/kl_rollout_train", "mismatch/ess_ratio"}
+    assert metrics.keys() == {"mismatch/abs_logprob_diff", "mismatch/kl_rollout_train", "mismatch/ess_ratio", "mismatch/beyond_threshold_fraction"}
+    assert metrics["mismatch/beyond_threshold_fraction"] == 0.5
     assert abs(metrics["mismatch/abs_logprob_diff"] - 0.3466) < 1e-4
     assert abs(metrics["mismatch/kl_rollout_train"] - 0.1534) < 1e-4
     assert abs(metrics["mismatch/ess_ratio"] - 0.9) < 1e-6
     # identical policies: no mismatch, ESS 1
     same = mismatch_metrics(train, train, torch.ones(1, 3))
-    assert same == {"mismatch/abs_logprob_diff": 0.0, "mismatch/kl_rollout_train": 0.0, "mismatch/ess_ratio": 1.0}
+    assert same == {"mismatch/abs_logprob_diff": 0.0, "mismatch/kl_rollout_train": 0.0, "mismatch/ess_ratio": 1.0, "mismatch/beyond_threshold_fraction": 0.0}
+
+
+def test_beyond_threshold_fraction_by_hand():
+    # |train - rollout| = [[0.125, 0.5, 0.25], [0.375, 1.0, pad]] (exact in binary): 5 tokens, padding (9.0) ignored
+    #   threshold 0.25: 0.5, 0.375 and 1.0 are above (0.25 itself is not) -> 3 / 5 = 0.6
+    #   threshold 0.5: only 1.0 -> 1 / 5 = 0.2; threshold 1.0: none -> 0
+    train = torch.tensor([[-1.125, -0.5, -2.25], [-0.625, -3.0, 9.0]])
+    rollout = torch.tensor([[-1.0, -1.0, -2.0], [-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    fractions = [mismatch_metrics(train, rollout, mask, threshold=t)["mismatch/beyond_threshold_fraction"] for t in (0.25, 0.5, 1.0)]
+    assert fractions == pytest.approx([0.6, 0.2, 0.0])
+    # the IS-correction plug-point reports it at algo.mismatch_threshold
+    _, metrics = is_weights(AlgoConfig(is_correction="tis", mismatch_threshold=0.5), train, rollout, mask)
+    assert metrics["mismatch/beyond_threshold_fraction"] == pytest.approx(0.2)
 
 
 # token weights w = [[2, 0.25, 1], [3, 0.5, pad]], bounds [0.5, 2]; the padded train log-prob 7.0 is ignored

@@ -8,11 +8,16 @@ tests use to show the stand-ins are still needed) it
   the CUDA build of torch otherwise returns `torch.cuda`, and SGLang's weight updater calls
   `.synchronize()` on it, which fails without a driver. The replacement is cached like the
   original (`functools.cache`), so it keeps the `__wrapped__` that torch.compile's tracer looks
-  up (without it every `torch.compile`d SGLang function fails, e.g. the MoE biased grouped top-k).
+  up (without it every `torch.compile`d SGLang function fails, e.g. the MoE biased grouped top-k), and
+* makes pinning a host buffer with cudaHostRegister a no-op: the routed-experts capturer
+  (--enable-return-routed-experts) allocates its host cache that way on any device, which fails
+  without a driver; on a CPU server the buffer is ordinary memory already.
 Pinned to one SGLang version: another version stops with a message instead of half-working.
 """
 
 import functools
+import importlib.abc
+import importlib.util
 import os
 import sys
 
@@ -40,6 +45,28 @@ def _activate() -> None:
         return torch.cpu if device is None else by_device(device)
 
     torch.get_device_module = get_device_module
+    _after_import("sglang.srt.mem_cache.pool_host.common", lambda module: setattr(module, "_cuda_host_register", lambda *args, **kwargs: None))
+
+
+def _after_import(name: str, patch) -> None:
+    """Run patch(module) once module `name` has been executed, whoever imports it first."""
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
 
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and os.environ.get("MILES_SGLANG_CPU_STANDINS", "1") != "0":

@@ -1,12 +1,14 @@
 """Rollout engines behind the RolloutEngine protocol, chosen by `rollout.engine`.
 
-torch: the embedded engine, built per call (it loads the weights directory in this process).
+torch: the embedded engine, built per call (it loads the weights directory in this process, in rollout.dtype).
 sglang: SGLang servers over HTTP, started once per process and configuration and reused by every
 later call (in a local Flyte run all tasks share one process); each call publishes the requested
 policy version into them.
 """
 
 from __future__ import annotations
+
+import torch
 
 from miles_core.config import RolloutConfig
 from miles_core.rollout.base import RolloutEngine
@@ -19,10 +21,10 @@ def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, **torch_optio
         # imported only for this engine: it brings the HTTP client and the server launcher
         from miles_core.rollout.engines.sglang import shared_engine
 
-        return shared_engine(cfg.sglang, policy_dir, version)
+        return shared_engine(cfg.sglang, policy_dir, version, cfg.routing_replay)
     from miles_core.rollout.engines.torch_engine import TorchEngine
 
-    return TorchEngine(policy_dir, version, **torch_options)
+    return TorchEngine(policy_dir, version, dtype=getattr(torch, cfg.dtype), record_routing=cfg.routing_replay, **torch_options)
 
 
 def weight_update_metrics(engine: RolloutEngine) -> dict[str, float]:

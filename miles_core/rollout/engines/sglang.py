@@ -28,6 +28,8 @@ while others remain; every HTTP call has a timeout.
 from __future__ import annotations
 
 import atexit
+import base64
+import dataclasses
 import logging
 import threading
 import time
@@ -35,9 +37,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+from transformers import AutoConfig
+
 from miles_core.config import SGLangConfig, config_hash
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from miles_core.rollout.engines.sglang_server import ServerUnreachable, SGLangError, SGLangServer, address_toward, free_port
+from miles_core.routing import moe_layer_ids, moe_sizes
 from miles_core.weights import sync
 from miles_core.weights.check import check_hf_dir
 
@@ -46,7 +52,10 @@ MAX_RESUBMITS = 4  # a sequence aborted by this many consecutive weight updates 
 
 
 class SGLangEngine:
-    def __init__(self, cfg: SGLangConfig, policy_dir: str, version: int = 0):
+    def __init__(self, cfg: SGLangConfig, policy_dir: str, version: int = 0, record_routing: bool = False):
+        self.routing = _routing_layout(policy_dir) if record_routing else None  # (MoE layer ids, decoder layers, k)
+        if record_routing:  # the servers capture each token's experts (R3); attached ones must have been launched so
+            cfg = dataclasses.replace(cfg, extra_args=f"{cfg.extra_args} --enable-return-routed-experts")
         self.cfg = cfg
         self.policy_dir, self.weight_version = policy_dir, version
         self.last_update_metrics: dict[str, float] = {}
@@ -100,6 +109,7 @@ class SGLangEngine:
             "input_ids": [prompts[p] for p, _ in chunk],
             "sampling_params": [_sampling_params(params, p * params.n + i) for p, i in chunk],
             "return_logprob": True,
+            "return_routed_experts": self.routing is not None,
         }
         answers = self._call_any("/generate", payload)
         return [self._to_generation(answer) for answer in answers]
@@ -114,7 +124,18 @@ class SGLangEngine:
         logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
         if len(logprobs) != len(tokens):
             raise SGLangError(f"/generate returned {len(tokens)} tokens but {len(logprobs)} log-probs")
-        return Generation(tokens, logprobs, FINISH_STOP if finish == "stop" else FINISH_LENGTH, _version(meta, self.weight_version))
+        finish = FINISH_STOP if finish == "stop" else FINISH_LENGTH
+        return Generation(tokens, logprobs, finish, _version(meta, self.weight_version), self._routed_experts(meta))
+
+    def _routed_experts(self, meta: dict) -> list[int]:
+        """SGLang's record (base64 int32 [positions fed, every decoder layer, k]) in miles_core/routing.py's layout."""
+        if self.routing is None:
+            return []
+        if not meta.get("routed_experts"):
+            raise SGLangError("the server returned no routed experts: an attached server must run with --enable-return-routed-experts")
+        layers, decoder_layers, top_k = self.routing
+        record = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(-1, decoder_layers, top_k)
+        return record[:, layers].flatten().tolist()
 
     def _call_any(self, path: str, payload: dict):
         """POST to the least busy live server; a dead launched server is restarted and the call sent again."""
@@ -293,12 +314,20 @@ def _read_tensors(policy_dir: str):
 _SHARED: dict[str, SGLangEngine] = {}
 
 
-def shared_engine(cfg: SGLangConfig, policy_dir: str, version: int) -> SGLangEngine:
+def _routing_layout(policy_dir: str) -> tuple[list[int], int, int]:
+    config = AutoConfig.from_pretrained(policy_dir).get_text_config(decoder=True)
+    layers = moe_layer_ids(config)
+    if not layers:
+        raise ValueError(f"routing replay needs a mixture-of-experts model; {policy_dir} has no routed experts")
+    return layers, config.num_hidden_layers, moe_sizes(config)[1]
+
+
+def shared_engine(cfg: SGLangConfig, policy_dir: str, version: int, record_routing: bool = False) -> SGLangEngine:
     """The engine of this process for `cfg`, started on first use, serving `version` on return."""
-    key = config_hash(cfg)
+    key = f"{config_hash(cfg)}-{record_routing}"
     engine = _SHARED.get(key)
     if engine is None:
-        engine = _SHARED[key] = SGLangEngine(cfg, policy_dir, version)
+        engine = _SHARED[key] = SGLangEngine(cfg, policy_dir, version, record_routing)
     else:
         engine.load_weights(policy_dir, version)
     return engine

@@ -19,6 +19,7 @@ log-prob hook was 0.96x HF; this loop with `torch.multinomial` instead of invers
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from miles_core.models import load_causal_lm
 from miles_core.models.families import needs_equal_length_batches
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from miles_core.routing import RouterTaps
 from miles_core.weights.check import check_hf_dir
 
 
@@ -94,6 +96,7 @@ class TorchEngine:
     max_batch_sequences: sequences (prompts x n) decoded together; larger inputs are chunked.
     num_threads: torch intra-op threads while generating, restored afterwards (None: leave as is).
         On a shared 2-core machine 1 thread avoids OpenMP barriers waiting on a busy core.
+    record_routing: record the experts of every position fed to an MoE model (`Generation.routed_experts`, R3).
 
     Sequences are decoded in the order given (prompt-major, n copies adjacent) from one RNG seeded
     with params.seed, so output is reproducible for the same engine settings (max_batch_sequences
@@ -107,6 +110,7 @@ class TorchEngine:
         max_batch_sequences: int = 256,
         dtype: torch.dtype = torch.float32,
         num_threads: int | None = None,
+        record_routing: bool = False,
     ):
         if max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences must be >= 1, got {max_batch_sequences}")
@@ -115,6 +119,7 @@ class TorchEngine:
         self.max_batch_sequences = max_batch_sequences
         self.num_threads = num_threads
         self.dtype = dtype
+        self.record_routing = record_routing
         self.load_weights(policy_dir, version)
 
     def load_weights(self, policy_dir: str, version: int) -> None:
@@ -124,6 +129,7 @@ class TorchEngine:
         self.equal_length_batches = needs_equal_length_batches(model.config)
         self.pad_token_id = _read_pad_token_id(policy_dir, model)
         self.model = model
+        self.taps = RouterTaps(model) if self.record_routing else None
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.policy_dir = policy_dir
         self.weight_version = version
@@ -183,11 +189,18 @@ class TorchEngine:
 
     def _decode(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded [B, L] prompts -> (new tokens [B, S], log-probs [B, S]), S <= max_new_tokens.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Left-padded [B, L] prompts -> (new tokens [B, S], log-probs [B, S], routing), S <= max_new_tokens.
 
-        Rows that hit a stop token keep decoding pad ids until every row has stopped.
+        Rows that hit a stop token keep decoding pad ids until every row has stopped.  With routing recorded, routing
+        is [B, L + S - 1, layers x k]: the experts of each position fed (the prompt's, then each new token's but the last).
         """
+        with self.taps.recording() if self.taps is not None else contextlib.nullcontext():
+            return self._decode_loop(input_ids, attention_mask, params, generator)
+
+    def _decode_loop(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         batch = input_ids.shape[0]
         tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros((batch, params.max_new_tokens))
@@ -196,6 +209,7 @@ class TorchEngine:
         cache = DynamicCache(config=self.model.config)
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)  # as HF generate
         step_ids, new_column = input_ids, torch.ones((batch, 1), dtype=attention_mask.dtype)
+        routing = []  # per forward: [B, positions fed, layers x k]
         for step in range(params.max_new_tokens):
             out = self.model(
                 input_ids=step_ids,
@@ -205,25 +219,28 @@ class TorchEngine:
                 use_cache=True,
                 logits_to_keep=1,
             )
+            if self.taps is not None:
+                routing.append(self.taps.take().view(batch, step_ids.shape[1], -1))
             next_tokens, next_logprobs = sample_next_tokens(out.logits[:, -1], params, generator)
             tokens[:, step] = next_tokens.masked_fill_(finished, self.pad_token_id)
             logprobs[:, step] = next_logprobs
             finished |= torch.isin(next_tokens, stop_ids)
             if bool(finished.all()):
-                return tokens[:, : step + 1], logprobs[:, : step + 1]
+                break
             step_ids = next_tokens[:, None]
             attention_mask = torch.cat([attention_mask, new_column], dim=-1)
             position_ids = position_ids[:, -1:] + 1
-        return tokens, logprobs
+        return tokens[:, : step + 1], logprobs[:, : step + 1], torch.cat(routing, dim=1) if routing else None
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Generation]:
         input_ids, attention_mask = self._left_pad(prompts)
-        tokens, logprobs = self._decode(input_ids, attention_mask, params, generator)
-        stop_ids = set(params.stop_token_ids)
+        tokens, logprobs, routing = self._decode(input_ids, attention_mask, params, generator)
+        stop_ids, width = set(params.stop_token_ids), input_ids.shape[1]
         out = []
-        for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+        for row, (prompt, row_tokens, row_logprobs) in enumerate(zip(prompts, tokens.tolist(), logprobs.tolist())):
             end = next((i + 1 for i, token in enumerate(row_tokens) if token in stop_ids), None)
             finish = FINISH_STOP if end is not None else FINISH_LENGTH
             end = end if end is not None else params.max_new_tokens
-            out.append(Generation(row_tokens[:end], row_logprobs[:end], finish, self.weight_version))
+            routed = [] if routing is None else routing[row, width - len(prompt) : width + end - 1].flatten().tolist()
+            out.append(Generation(row_tokens[:end], row_logprobs[:end], finish, self.weight_version, routed))
         return out

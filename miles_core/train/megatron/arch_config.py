@@ -36,7 +36,7 @@ _CPU_SAFE = dict(
 )
 
 
-def _moe(spec: ArchSpec, routing_replay: bool) -> dict:
+def _moe(spec: ArchSpec) -> dict:
     if not spec.num_experts:
         return {}
     moe = dict(
@@ -45,7 +45,6 @@ def _moe(spec: ArchSpec, routing_replay: bool) -> dict:
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="none",
-        moe_enable_routing_replay=routing_replay,
         moe_router_dtype="fp32",
         moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
         moe_router_topk_scaling_factor=spec.moe_scaling if spec.moe_scaling != 1.0 else None,
@@ -115,7 +114,7 @@ def _rotary(spec: ArchSpec) -> dict:
     return _mla(spec) if spec.mla else _gqa_yarn(spec) if spec.yarn else {}
 
 
-def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype, routing_replay: bool = False):
+def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype):
     """The (MLA / YaRN)TransformerConfig of the model at these parallel sizes."""
     return _config_class(spec)(
         num_layers=spec.num_layers,
@@ -143,7 +142,7 @@ def transformer_config(spec: ArchSpec, parallel, dtype: torch.dtype, routing_rep
         **_activation(spec),
         **_attention(spec),
         **_rotary(spec),
-        **_moe(spec, routing_replay),
+        **_moe(spec),
     )
 
 

@@ -65,16 +65,12 @@ def init_parallel(parallel: Parallel, seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_model(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype = torch.float32, routing_replay: bool = False):
+def build_model(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype = torch.float32):
     """This rank's GPTModel stage (local layer spec, rotary positions, vocabulary padded for TP)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = arch_config.transformer_config(spec, parallel, dtype, routing_replay)
-    if routing_replay:  # router replay instances live in a class-level list: start it afresh per model
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        RouterReplay.clear_global_router_replay_instances()
+    config = arch_config.transformer_config(spec, parallel, dtype)
     return GPTModel(
         config,
         arch_config.layer_spec(spec, config),
@@ -96,7 +92,12 @@ def wrap_ddp(model, bucket_size: int | None = None):
 
 
 def build_optimizer(ddp_model, lr: float, weight_decay: float, betas: tuple[float, float], grad_clip: float):
-    """Adam(W) sharded over data-parallel ranks (the distributed optimizer), with grad clipping."""
+    """Adam(W) sharded over data-parallel ranks (the distributed optimizer), with grad clipping.
+
+    A bf16 model (train.dtype) trains on fp32 main parameters: with `bf16=True` and no precision-aware optimizer,
+    megatron-core's DistributedOptimizer keeps an fp32 copy of each bf16 parameter shard (`shard_fp32_from_float16_groups`),
+    steps Adam on it with fp32 moments (OptimizerConfig's main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype, all fp32
+    unless `use_precision_aware_optimizer`) and copies the result back to the bf16 weights."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(

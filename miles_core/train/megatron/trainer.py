@@ -10,7 +10,7 @@ over all its rows first, so the loss does not depend on the data-parallel size.
 
 Micro-batches go through megatron-core's `forward_backward_func`, so pipeline parallelism works
 as on a GPU cluster; the last pipeline stage computes log-probs and metrics and they are summed
-to every rank.  MoE routing can be recorded and replayed (`record_routing`, `replay_routing`).
+to every rank.  A batch that carries the rollout's routing is routed as the rollout was (R3, routing.py).
 """
 
 from __future__ import annotations
@@ -63,13 +63,13 @@ class MegatronTrainer(TrainerBase):
         self.ddp.config.finalize_model_grads_func = finalize_model_grads
         self.ddp.config.variable_seq_lengths = True  # micro-batches differ in length (pipeline p2p sends shapes)
         self.optimizer = build_optimizer(self.ddp, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.grad_clip)
-        self.routing = RoutingReplay(enabled=self.spec.num_experts > 0)
+        self.routing = RoutingReplay(self.ddp.module, self.spec)
 
     @classmethod
     def _build(cls, spec: ArchSpec, cfg: TrainConfig):
         init_parallel(parallel_of(cfg), cfg.seed)
         torch.manual_seed(cfg.seed)
-        return build_model(spec, parallel_of(cfg), _DTYPES[cfg.megatron_dtype], routing_replay=spec.num_experts > 0)
+        return build_model(spec, parallel_of(cfg), _DTYPES[cfg.dtype])
 
     @classmethod
     def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> MegatronTrainer:
@@ -144,7 +144,7 @@ class MegatronTrainer(TrainerBase):
         def step(data_iterator, model):
             micro = next(data_iterator)
             input_ids = vocab.padded_for_sequence_parallel(micro.batch.input_ids)
-            with self.routing.around_forward():
+            with self.routing.around_forward(micro.batch.routed_experts, input_ids.shape[1]):
                 output = model(input_ids=input_ids, position_ids=vocab.positions(input_ids), attention_mask=None)
             return output, functools.partial(loss_of, micro)
 
@@ -168,8 +168,14 @@ class MegatronTrainer(TrainerBase):
     def _stats(self, batch: PackedBatch, output: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab.response_logprobs_entropy(output, batch, temperature, self.spec.vocab_size)
 
+    def routing_metrics(self) -> dict[str, float]:
+        counts = torch.tensor(self.routing.agreement(), dtype=torch.float64)
+        dist.all_reduce(counts)  # each rank's routers saw their own layers and tokens (data-parallel copies cancel out)
+        return {"routing/agreement": float(counts[0] / counts[1])} if counts[1] else {}
+
     @torch.no_grad()
     def logprobs(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
+        self.routing.agreement(reset=True)  # routing_metrics: of this pass
         self.ddp.eval()
 
         def loss_of(micro, output):
