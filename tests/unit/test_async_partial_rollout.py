@@ -36,8 +36,8 @@ def policy_dir(tmp_path_factory):
     return build_tiny_model(TINY, str(tmp_path_factory.mktemp("m") / "base"))
 
 
-def run(policy_dir, **async_values):
-    engine = UpdatedBetweenCalls(policy_dir, version=1)
+def run(policy_dir, record_routing=False, **async_values):
+    engine = UpdatedBetweenCalls(policy_dir, version=1, record_routing=record_routing)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     prompts = [Prompt(id=f"p{i}", text=f"{i}+{i}=", label=str(2 * i), metadata={"draw": i}) for i in range(4)]
     cfg = AsyncConfig(partial_rollout=True, partial_segment_tokens=2, **async_values)
@@ -70,3 +70,16 @@ def test_continuation_log_probs_are_the_policys(policy_dir):
     batch = pack(samples, tokenizer.pad_token_id)
     recomputed = TorchTrainer.from_hf(policy_dir, TrainConfig()).logprobs(batch, temperature=1.0)
     assert torch.allclose(recomputed * batch.response_mask, batch.rollout_logprobs, atol=1e-4)
+
+
+def test_a_continued_response_carries_the_routing_of_every_position(tmp_path):
+    """R3 with partial rollout: the last segment's call fed prompt and response so far, so its routing covers every
+    position; the trainer replaying it recomputes the engine's log-probs, its routers agreeing throughout."""
+    moe = ModelConfig(arch="qwen3_moe", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, num_experts=4, moe_top_k=2, moe_intermediate_size=16)
+    policy_dir = build_tiny_model(moe, str(tmp_path / "moe"))
+    samples, tokenizer = run(policy_dir, record_routing=True)
+    assert all(len(s.routed_experts) == (len(s.prompt_tokens) + len(s.response_tokens) - 1) * 2 * 2 for s in samples)
+    trainer = TorchTrainer.from_hf(policy_dir, TrainConfig())
+    batch = pack(samples, tokenizer.pad_token_id)
+    assert torch.allclose(trainer.logprobs(batch, temperature=1.0) * batch.response_mask, batch.rollout_logprobs, atol=1e-4)
+    assert trainer.routing_metrics() == {"routing/agreement": 1.0}

@@ -53,8 +53,18 @@ class ScriptedEngine:
         return out
 
 
-def _run(tokenizer, script, settings=MultiTurnConfig(), max_new_tokens=64, n=1):  # noqa: B008 (frozen dataclass)
-    engine = ScriptedEngine(tokenizer, script)
+class RoutedScriptedEngine(ScriptedEngine):
+    """ScriptedEngine recording routing as an engine does for every position it fed, each position's 'expert' its index."""
+
+    def generate(self, prompts, params):
+        out = super().generate(prompts, params)
+        for prompt, (g,) in zip(prompts, out):
+            g.routed_experts = list(range(len(prompt) + len(g.tokens) - 1))
+        return out
+
+
+def _run(tokenizer, script, settings=MultiTurnConfig(), max_new_tokens=64, n=1, engine_class=ScriptedEngine):  # noqa: B008 (frozen dataclass)
+    engine = engine_class(tokenizer, script)
     params = SamplingParams(n=n, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
     samples, metrics = generate(engine, [Prompt("p0", "12*34=", "408")], tokenizer, params, RolloutConfig(multi_turn=settings))
     return engine, samples, metrics
@@ -121,6 +131,16 @@ def test_token_budget_cuts_the_response(tokenizer):
     assert [t["role"] for t in s.metadata["turns"]] == ["assistant", "tool", "assistant"]
     assert len(s.response_tokens) == 50 == len(s.loss_mask) == len(s.rollout_logprobs)
     assert s.metadata["stop_reason"] == "token_budget" and s.finish_reason == "length"
+
+
+@pytest.mark.parametrize("budget", [128, 50], ids=["answered", "cut-by-budget"])
+def test_routing_of_a_conversation_is_its_last_model_turns_over_every_position(tokenizer, budget):
+    """The last call fed the whole conversation (tool outputs included): its record, cut with the response, covers every
+    position of the sample but the last (R3, miles_core/routing.py)."""
+    script = ["<tool>calc\n12*34</tool>", "408 is the answer, and here is a long explanation"]
+    _, [s], _ = _run(tokenizer, script, MultiTurnConfig(max_response_tokens=budget, tools="calc"), engine_class=RoutedScriptedEngine)
+    assert [t["role"] for t in s.metadata["turns"]] == ["assistant", "tool", "assistant"]
+    assert s.routed_experts == list(range(len(s.prompt_tokens) + len(s.response_tokens) - 1))
 
 
 def test_group_layout_is_prompt_major(tokenizer):
