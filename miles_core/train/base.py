@@ -73,15 +73,12 @@ def pack(samples: list[Sample], pad_id: int) -> PackedBatch:
 
 def _routing(samples: list[Sample], L: int) -> torch.Tensor | None:
     """[B, L, layers x k] of the samples' recorded routing (miles_core/routing.py), -1 where none; None when no sample has any."""
-    recorded = [s for s in samples if s.routed_experts]
-    if not recorded:
+    fed = {i: torch.tensor(s.routed_experts).view(len(s.prompt_tokens) + len(s.response_tokens) - 1, -1) for i, s in enumerate(samples) if s.routed_experts}
+    if not fed:
         return None
-    s = recorded[0]
-    routing = torch.full((len(samples), L, len(s.routed_experts) // (len(s.prompt_tokens) + len(s.response_tokens) - 1)), -1, dtype=torch.long)
-    for i, s in enumerate(samples):
-        if s.routed_experts:
-            fed = torch.tensor(s.routed_experts).view(len(s.prompt_tokens) + len(s.response_tokens) - 1, -1)
-            routing[i, : fed.shape[0]] = fed
+    routing = torch.full((len(samples), L, next(iter(fed.values())).shape[1]), -1, dtype=torch.long)
+    for i, positions in fed.items():
+        routing[i, : positions.shape[0]] = positions
     return routing
 
 
