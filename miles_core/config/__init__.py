@@ -17,7 +17,7 @@ from miles_core.config.recipe import config_hash, flatten, load_recipe
 from miles_core.config.reward import RewardConfig
 from miles_core.config.rollout import ENGINES, PAUSE_MODES, WEIGHT_SYNC_MODES, MultiTurnConfig, RolloutConfig, SGLangConfig
 from miles_core.config.run import RunConfig
-from miles_core.config.train import EvalConfig, HealthConfig, HooksConfig, PublishConfig, TrackingConfig, TrainConfig
+from miles_core.config.train import EvalConfig, HealthConfig, HooksConfig, LoraConfig, PublishConfig, TrackingConfig, TrainConfig
 
 __all__ = [
     "ACCELERATORS",
@@ -41,6 +41,7 @@ __all__ = [
     "EvalConfig",
     "HealthConfig",
     "HooksConfig",
+    "LoraConfig",
     "ModelConfig",
     "MultiTurnConfig",
     "PublishConfig",

@@ -2,10 +2,47 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
+from miles_core.config.base import ConfigError, check_finite
 from miles_core.config.base import check as _check
-from miles_core.config.base import check_finite
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (docs/lora.md): the base weights frozen, only the adapters (and `trainable`) in the optimizer, the
+    adapter alone published and served unmerged. rank 0 trains every weight in full."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, in training only
+    target_modules: str = "all-linear"  # all-linear | comma-separated module names (a module whose path ends with one) | re:<regex over module paths>
+    trainable: str = ""  # comma-separated module names trained in full beside the adapters (PEFT's modules_to_save), e.g. lm_head
+
+    def __post_init__(self):
+        check_finite(self, "train.lora")
+        _check(self.rank >= 0, "train.lora.rank", f"must be >= 0 (0: no adapters, every weight trained), got {self.rank}")
+        _check(self.alpha > 0, "train.lora.alpha", f"must be > 0, got {self.alpha}")
+        _check(0 <= self.dropout < 1, "train.lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(bool(self.target_modules.strip()), "train.lora.target_modules", "must name modules: all-linear, names or re:<regex>")
+        if self.target_modules.startswith("re:"):
+            try:
+                re.compile(self.target_modules[3:])
+            except re.error as err:
+                raise ConfigError(f"train.lora.target_modules: not a regular expression: {err}") from err
+
+    @property
+    def targets(self) -> str | list[str]:
+        """PEFT's target_modules: a regex string, "all-linear", or a list of names."""
+        if self.target_modules.startswith("re:"):
+            return self.target_modules[3:]
+        return "all-linear" if self.target_modules == "all-linear" else [n.strip() for n in self.target_modules.split(",") if n.strip()]
+
+    @property
+    def full(self) -> list[str]:
+        """The modules trained in full beside the adapters."""
+        return [n.strip() for n in self.trainable.split(",") if n.strip()]
 
 
 @dataclass(frozen=True)
@@ -31,6 +68,7 @@ class TrainConfig:
     nproc_per_node: int = 2  # processes of the distributed train task per node (one per GPU on a GPU node)
     gpus_per_node: int = 0  # GPUs requested by the distributed train task's pods (0 = CPU)
     memory_gb: int = 0  # host memory per train pod, GiB; 0 = 64 per GPU on GPU nodes, else the task's default
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: LoRA adapters instead of full-parameter training
 
     def __post_init__(self):
         check_finite(self, "train")
