@@ -5,7 +5,8 @@ response's token ids as generated (never re-tokenised), one rollout log-prob and
 entry per response token, how generation ended and the weight version that produced it.
 A rollout batch is a list of samples, `group_size` consecutive samples per prompt; on disk it is
 a parquet file whose schema `miles_core.schemas` checks at every task boundary.  With routing replay (R3) a sample
-also carries the experts its tokens were routed to in rollout (layout in miles_core/routing.py), as int16 on disk.
+also carries the experts its tokens were routed to in rollout (layout in miles_core/routing.py), as int16 on disk. With
+on-policy distillation the teacher's task adds the teacher's log-prob of each response token (miles_core/distill.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Sample:
     metadata: dict = field(default_factory=dict)
     reward: float = float("nan")  # filled by scoring
     routed_experts: list[int] = field(default_factory=list)  # R3: [position, MoE layer, k] flattened, or empty
+    teacher_logprobs: list[float] = field(default_factory=list)  # [T] the distillation teacher's log-prob of each response token, or empty
 
     @property
     def sample_id(self) -> str:
@@ -73,6 +75,7 @@ def from_frame(frame: pd.DataFrame) -> list[Sample]:
                 metadata=json.loads(row.metadata),
                 reward=float(row.reward),
                 routed_experts=[int(e) for e in row.routed_experts],
+                teacher_logprobs=[float(x) for x in row.teacher_logprobs],
             )
         )
     return out

@@ -1,6 +1,7 @@
 """pandera schemas of rollout batches, checked where a batch crosses a task boundary.
 
-`RolloutBatchSchema` is what a rollout writes; `ScoredBatchSchema` adds a finite reward.
+`RolloutBatchSchema` is what a rollout writes; `ScoredBatchSchema` adds a finite reward; `DistilledBatchSchema` the
+distillation teacher's log-prob of every response token (finite, <= 0, one per token).
 `check_batch` runs the schema lazily (every failure at once) and raises `BatchError` naming the
 file, the rows (with their sample ids), the column and the check that failed.
 
@@ -62,6 +63,7 @@ class RolloutBatchSchema(pa.DataFrameModel):
     metadata: Series[str]
     reward: Series[float] = pa.Field(nullable=True)
     routed_experts: Series[object]
+    teacher_logprobs: Series[object]
 
     @pa.check(*TOKEN_COLUMNS, element_wise=True, name="non_empty")
     def non_empty(cls, tokens) -> bool:
@@ -81,7 +83,7 @@ class RolloutBatchSchema(pa.DataFrameModel):
         ids = _integer_ids(experts)
         return ids is not None and bool((ids >= 0).all())
 
-    @pa.check("rollout_logprobs", element_wise=True, name="finite_logprobs")
+    @pa.check("rollout_logprobs", "teacher_logprobs", element_wise=True, name="finite_logprobs")
     def finite_logprobs(cls, values) -> bool:
         return _sized(values) and all(isinstance(x, (int, float, np.number)) and math.isfinite(x) and x <= 1e-4 for x in values)
 
@@ -103,6 +105,14 @@ class RolloutBatchSchema(pa.DataFrameModel):
             return _passes(df)
         n = df["response_tokens"].map(_length)
         return (n >= 0) & (n == df["rollout_logprobs"].map(_length)) & (n == df["loss_mask"].map(_length))
+
+    @pa.dataframe_check(name="teacher_logprobs_aligned")
+    def teacher_logprobs_aligned(cls, df: pd.DataFrame) -> Series[bool]:
+        """The teacher's log-probs, where a teacher scored the batch, have one entry per response token."""
+        if not _has(df, "teacher_logprobs_aligned"):
+            return _passes(df)
+        scored = df["teacher_logprobs"].map(_length)
+        return (scored == 0) | (scored == df["response_tokens"].map(_length))
 
     @pa.dataframe_check(name="routing_per_position")
     def routing_per_position(cls, df: pd.DataFrame) -> Series[bool]:
@@ -139,9 +149,18 @@ class ScoredBatchSchema(RolloutBatchSchema):
         return reward.map(lambda r: isinstance(r, (int, float, np.number)) and math.isfinite(r))
 
 
+class DistilledBatchSchema(ScoredBatchSchema):
+    """A scored batch the distillation teacher has scored too: every sample carries the teacher's log-probs."""
+
+    @pa.check("teacher_logprobs", element_wise=True, name="teacher_scored")
+    def teacher_scored(cls, values) -> bool:
+        return _sized(values) and len(values) > 0
+
+
 # The columns each row-wise check reads: named in its error, and a missing one is reported once, as missing.
 ROW_CHECK_COLUMNS = {
     "aligned_lengths": ("response_tokens", "rollout_logprobs", "loss_mask"),
+    "teacher_logprobs_aligned": ("response_tokens", "teacher_logprobs"),
     "routing_per_position": ("prompt_tokens", "response_tokens", "routed_experts"),
     "sample_id_matches_group": ("sample_id", "prompt_id", "index"),
     "one_label_per_group": ("prompt_id", "label"),
@@ -167,11 +186,13 @@ def check_batch(
     reward_range: tuple[float, float] | None = None,
     vocab_size: int | None = None,
     group_size: int | None = None,
+    distilled: bool = False,
 ) -> pd.DataFrame:
     """Validate a batch read from or written to `source`; raise BatchError naming what is wrong.
 
-    vocab_size: token ids must be below it (the model config's vocab_size: every id the model can emit); group_size: the batch must be whole groups."""
-    schema = ScoredBatchSchema if scored else RolloutBatchSchema
+    vocab_size: token ids must be below it (the model config's vocab_size: every id the model can emit); group_size: the batch must be whole groups;
+    distilled: a scored batch every sample of which carries the teacher's log-probs."""
+    schema = DistilledBatchSchema if distilled else ScoredBatchSchema if scored else RolloutBatchSchema
     try:
         schema.validate(frame, lazy=True)
     except SchemaErrors as err:
@@ -246,9 +267,10 @@ def write_batch(
     reward_range: tuple[float, float] | None = None,
     vocab_size: int | None = None,
     group_size: int | None = None,
+    distilled: bool = False,
 ) -> Path:
     """Check the batch, then write it as parquet atomically (a refused batch leaves `path` as it was)."""
-    frame = check_batch(to_frame(samples), str(path), scored, reward_range, vocab_size, group_size)
+    frame = check_batch(to_frame(samples), str(path), scored, reward_range, vocab_size, group_size, distilled)
     with atomic_file(path) as tmp:
         frame.to_parquet(tmp, index=False)
     return Path(path)
@@ -260,10 +282,11 @@ def read_batch(
     reward_range: tuple[float, float] | None = None,
     vocab_size: int | None = None,
     group_size: int | None = None,
+    distilled: bool = False,
 ) -> list[Sample]:
     """Read a parquet batch and check it before anything uses it; the file itself is never changed."""
     try:
         frame = pd.read_parquet(path)
     except (pyarrow.ArrowException, OSError, ValueError) as err:  # what pyarrow raises for missing or unreadable files
         raise BatchError(f"batch {path}: not a readable parquet file ({type(err).__name__}: {str(err)[:200]})") from None
-    return from_frame(check_batch(frame, str(path), scored, reward_range, vocab_size, group_size))
+    return from_frame(check_batch(frame, str(path), scored, reward_range, vocab_size, group_size, distilled))

@@ -3,6 +3,7 @@
     fns = bind(rollout=..., reward=..., algo=..., hooks=..., evaluation=...)  # every plug-point, resolved once
     samples, buffer, m = fns.rollout_fn(engine, source, tokenizer, fns, scorer_of(fns, tokenizer), buffer, seed)
     m |= score_batch(samples, fns, tokenizer, iteration)                       # reward.group_fn/post_fn, rollout_log
+    (distill.teacher: distill.score_with_teacher fills each sample's teacher log-probs; sync: its own task, tasks/distill.py)
     m |= train_step(trainer, samples, fns, pad_id, reference, critic, iteration)  # old log-probs, advantages, updates
     publish (weights/publish.py: a versioned HF directory; in the async phase: a push to the engines)
 
@@ -28,11 +29,12 @@ import torch
 
 from miles_core import health
 from miles_core.algos.corrections import mismatch_metrics
+from miles_core.algos.distill import with_teacher
 from miles_core.algos.kl import kl_penalty
 from miles_core.algos.losses import loss_weights
 from miles_core.algos.objective import critic_loss
 from miles_core.chat import prompt_tokens
-from miles_core.config import AlgoConfig, EvalConfig, HealthConfig, HooksConfig, RewardConfig, RolloutConfig
+from miles_core.config import AlgoConfig, DistillConfig, EvalConfig, HealthConfig, HooksConfig, RewardConfig, RolloutConfig
 from miles_core.data.source import Prompt
 from miles_core.plugins import plugin
 from miles_core.rewards.base import Response
@@ -56,6 +58,7 @@ class StepFns:
     hooks: HooksConfig
     evaluation: EvalConfig
     health: HealthConfig
+    distill: DistillConfig
     rollout_fn: Callable
     generate_fn: Callable  # with rollout_cfg bound when it takes it (e.g. multi-turn settings)
     dynamic_filter_fn: Callable
@@ -86,13 +89,14 @@ def bind(
     hooks: HooksConfig = HooksConfig(),
     evaluation: EvalConfig = EvalConfig(),
     health: HealthConfig = HealthConfig(),
+    distill: DistillConfig = DistillConfig(),
 ) -> StepFns:  # noqa: B008 (frozen dataclasses)
     """Resolve every plug-point of the step from its config sections (a bad path fails here, naming its field)."""
     sections = {"rollout": rollout, "reward": reward, "algo": algo, "hooks": hooks}
     resolved = {name: plugin(cfg, section, name) for section, cfg in sections.items() for name in _PLUGPOINTS_OF[section]}
     resolved["generate_fn"] = _given(resolved["generate_fn"], "rollout_cfg", rollout)
     resolved["reward_fn"] = _given(plugin(reward, "reward", "fn"), "reward_cfg", reward)
-    return StepFns(**sections, evaluation=evaluation, health=health, evaluate_fn=plugin(evaluation, "evaluation", "fn"), **resolved)
+    return StepFns(**sections, evaluation=evaluation, health=health, distill=distill, evaluate_fn=plugin(evaluation, "evaluation", "fn"), **resolved)
 
 
 _PLUGPOINTS_OF = {
@@ -316,13 +320,20 @@ def score_batch(samples: list[Sample], fns: StepFns, tokenizer, iteration: int, 
 
 
 def train_step(
-    trainer: Trainer, samples: list[Sample], fns: StepFns, pad_id: int, reference: Trainer | None = None, critic: Trainer | None = None, iteration: int = 0
+    trainer: Trainer,
+    samples: list[Sample],
+    fns: StepFns,
+    pad_id: int,
+    reference: Trainer | None = None,
+    critic: Trainer | None = None,
+    iteration: int = 0,
+    trace: dict | None = None,
 ) -> dict:
     """The train stage between the before/after train-step hooks, checked by the health gates; PPO's critic trains alone
-    for its warm-up iterations."""
+    for its warm-up iterations. `trace`, when given, receives the step's per-token tensors (`optimize`)."""
     fns.before_train_step(trainer, samples, iteration)
     train_policy = critic is None or iteration >= fns.algo.critic_warmup_steps
-    metrics = optimize(trainer, samples, fns, pad_id, reference, critic, train_policy)
+    metrics = optimize(trainer, samples, fns, pad_id, reference, critic, train_policy, trace)
     metrics.update(health.check(fns.health, metrics, samples))
     fns.after_train_step(trainer, metrics, iteration)
     return metrics
@@ -336,8 +347,10 @@ def optimize(
     reference: Trainer | None = None,
     critic: Trainer | None = None,
     train_policy: bool = True,
+    trace: dict | None = None,
 ) -> dict:
-    """One RL update on a scored batch: old log-probs, advantages, then the critic's and the policy's updates."""
+    """One RL update on a scored batch: old log-probs, advantages, then the critic's and the policy's updates.
+    `trace`, when given, receives "trainer_logprobs" and "advantages" [B, T] (the readable dump, miles_core/dump.py)."""
     started, algo, cfg = time.perf_counter(), fns.algo, fns.rollout
     kept = [fns.sample_filter_fn(s) for s in samples]
     samples = [s if k else dataclasses.replace(s, loss_mask=[0] * len(s.loss_mask)) for s, k in zip(samples, kept)]
@@ -356,6 +369,11 @@ def optimize(
     values = critic.logprobs(batch, cfg.temperature) if critic is not None else None  # [B, T] the critic's V(s_t)
     rewards = torch.tensor([s.reward for s in samples])  # [B]
     extras["advantages"], returns = fns.advantage_fn(algo, rewards, batch.loss_mask, cfg.n_samples, kl, values)  # holes (tool output) are no steps
+    if fns.distill.teacher:  # on-policy distillation: the teacher's log-probs of the sampled tokens (its stage stored them)
+        extras["advantages"], distilled = with_teacher(fns.distill, extras["advantages"], old_logprobs, batch.teacher_logprobs, batch.loss_mask, algo.gamma)
+        metrics.update(distilled)
+    if trace is not None:
+        trace.update(trainer_logprobs=current, advantages=extras["advantages"])
     weights_fn = functools.partial(loss_weights, mode=algo.loss_aggregation, horizon=algo.aggregation_horizon or cfg.max_new_tokens)
     if critic is not None:
         critic_metrics = critic.train_on(

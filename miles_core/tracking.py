@@ -3,10 +3,13 @@
 Stages return their metrics as typed outputs; only the (uncached) tracking steps write to
 MLflow, so a resumed execution logs the cached iterations too and every run is complete.
 mlflow is imported here only, inside the functions, because the core must import without it.
+Every published policy is also a version of the experiment's registered model (`register_policy`), whose source
+is the published directory itself: the weights are stored once, and `load_policy` finds them again.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -125,3 +128,77 @@ def running_run(uri: str, experiment: str, tags: dict[str, str]) -> str | None:
 def fail_run(uri: str, run_id: str, tags: dict) -> None:
     set_tags(uri, run_id, tags)
     _client(uri).set_terminated(run_id, status="FAILED")
+
+
+# the run's tags that each of its registered policy versions carries too (set by the start_run task)
+RUN_LINEAGE = ("config_hash", "data_hash", "code_digest", "flyte.execution_id")
+
+
+def policy_model(experiment: str) -> str:
+    """The registered model that holds an experiment's published policies, one version per policy a run publishes."""
+    return f"{experiment}-policy"
+
+
+def _found(client, name: str, **tags: object):
+    """The registered versions of `name` carrying these tags, oldest first."""
+    query = " and ".join([f"name = '{name}'", *(f"tags.`{key}` = '{value}'" for key, value in tags.items())])
+    return sorted(client.search_model_versions(query), key=lambda found: int(found.version))
+
+
+def _create_model(client, name: str) -> None:
+    """The registered model `name`, created unless it exists (another run of the experiment may create it meanwhile)."""
+    from mlflow.exceptions import MlflowException  # heavy import, only where tracking happens
+
+    try:
+        client.create_registered_model(name, description="The policies the RL runs of this experiment published")
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+
+
+def register_policy(uri: str, run_id: str, policy_uri: str, manifest: dict, iteration: int):
+    """The policy published at `policy_uri` (its manifest `manifest`: weights/publish.py), the run's policy after
+    `iteration` iterations, as a version of `policy_model(experiment)` whose source is that directory (nothing is
+    copied), tagged with its lineage and the run's (RUN_LINEAGE). A policy the run registered before (a retried task)
+    keeps its version. A tracking server that refuses or cannot be reached costs the registry entry only, with a
+    warning that names it (the policy is published already): None."""
+    from mlflow.exceptions import MlflowException  # heavy import, only where tracking happens
+
+    try:
+        client = _client(uri)
+        run = client.get_run(run_id)
+        name = policy_model(client.get_experiment(run.info.experiment_id).name)
+        if done := _found(client, name, run_id=run_id, policy_version=manifest["version"]):
+            return done[0]
+        _create_model(client, name)
+        parent = manifest["parent_version"]
+        tags = {
+            "run_id": run_id,
+            "iteration": iteration,
+            "policy_version": manifest["version"],
+            "parent_version": "" if parent is None else parent,
+            "weights_sha256": manifest["weights_sha256"],
+            "policy_dir": policy_uri,
+        } | {key: run.data.tags[key] for key in RUN_LINEAGE if key in run.data.tags}
+        about = f"policy v{manifest['version']} after iteration {iteration} of run {run_id}"
+        return client.create_model_version(name, policy_uri, run_id=run_id, tags={k: str(v) for k, v in tags.items()}, description=about)
+    except (MlflowException, OSError) as error:
+        logging.getLogger(__name__).warning(
+            f"MLflow model registry: policy v{manifest['version']} ({policy_uri}) of run {run_id} not registered in {uri}: {error}"
+        )
+        return None
+
+
+def load_policy(uri: str, name: str, version: int | None = None, run_id: str = "", iteration: int | None = None, dst_path: str | None = None) -> str:
+    """The HF directory of a registered policy: version `version` of registered model `name`, or the policy after
+    `iteration` iterations of run `run_id`. A policy in an object store is downloaded (into dst_path, else a temporary
+    folder); a local one is its own directory unless dst_path asks for a copy."""
+    import mlflow  # heavy import, only where tracking happens
+
+    client = _client(uri)
+    if version is None:
+        found = _found(client, name, run_id=run_id, iteration=iteration)
+        if not found:
+            raise LookupError(f"registered model {name} in {uri} has no version for iteration {iteration} of run {run_id!r}")
+        version = found[0].version
+    return mlflow.artifacts.download_artifacts(artifact_uri=client.get_model_version_download_uri(name, version), dst_path=dst_path)

@@ -78,6 +78,7 @@ class BatchResult:
 class TrainResult:
     ckpt: Checkpoint
     metrics: dict[str, float]
+    dump: Optional[FlyteDirectory] = None  # noqa: UP045 (flytekit's type engine) the batch as a readable dataset (debug.dump_rollouts)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from miles_core.config import ClusterConfig, RunConfig
 SMALL = Resources(cpu="1", mem="2Gi")  # tracking, admission, the dynamic nodes that only build the loop
 MEDIUM = Resources(cpu="2", mem="8Gi")  # the CPU defaults of the stages: data, SFT, rollout, score, train, evaluate
 DEFAULTS = ClusterConfig()
-INTERRUPTIBLE = ("rollout", "score", "evaluate")  # cached and restartable from their inputs: losing a spot node costs one retry
+INTERRUPTIBLE = ("rollout", "score", "teacher", "evaluate")  # cached and restartable from their inputs: losing a spot node costs one retry
 
 
 def cached(version: str) -> dict:

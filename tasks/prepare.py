@@ -25,7 +25,7 @@ from tasks.retry import recoverable
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"  # the recipes the image holds
 
 
-def _download(uri: str, local: str, is_multipart: bool = True) -> None:
+def download_uri(uri: str, local: str, is_multipart: bool = True) -> None:
     """An object-store directory (or file) into `local`, through the execution's file access (its credentials and retries)."""
     FlyteContextManager.current_context().file_access.get_data(uri, local, is_multipart=is_multipart)
 
@@ -50,7 +50,7 @@ def read_recipe(recipe: FlyteFile, overrides: list[str]) -> RunConfig:
 def base_model(cfg: ModelConfig, root: str) -> Policy:
     """The base policy as version 0: the checkpoint model.path names, or the tiny model; its source and digest in source.json."""
     out, dest = new_artifact(root, "base", 0, cfg)
-    record = fetch_base(cfg, out, _download)
+    record = fetch_base(cfg, out, download_uri)
     print(f"base model: {record['path']} (sha256 {record['sha256'][:12]})")
     return Policy(dir=uploaded_dir(out, dest), version=0)
 
@@ -84,7 +84,7 @@ def _checked_copy(cfg: DataConfig, source: str, dest: Path) -> Path:
     """A prompt file (a path, or an object-store URI downloaded first) checked row by row and copied to `dest`."""
     local = str(dest.with_name(f"downloaded-{dest.name}")) if is_uri(source) else source
     if is_uri(source):
-        _download(source, local, is_multipart=False)
+        download_uri(source, local, is_multipart=False)
     try:
         load_prompts(local, cfg.input_key, cfg.label_key, cfg.metadata_key)  # fails naming file, row and key
     except DataError as err:

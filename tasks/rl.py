@@ -29,6 +29,8 @@ from miles_core.config import (
     AlgoConfig,
     ClusterConfig,
     DataConfig,
+    DebugConfig,
+    DistillConfig,
     EvalConfig,
     HealthConfig,
     HooksConfig,
@@ -38,6 +40,7 @@ from miles_core.config import (
     TrainConfig,
 )
 from miles_core.data.source import DataState, load_prompts
+from miles_core.dump import readable_frame
 from miles_core.models import vocab_size
 from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine, weight_update_metrics
@@ -59,6 +62,8 @@ from tasks.common import (
     uploaded_file,
     uri_of,
 )
+from tasks.debug import train_outputs
+from tasks.decks import batch_decks
 from tasks.elastic import elastic, resizable_task
 from tasks.metadata import DEFAULTS, cached, declared
 from tasks.retry import recoverable
@@ -127,23 +132,25 @@ def rollout(
     return RolloutResult(batch=uploaded_file(out, dest), state=source.state, metrics=metrics, buffer=left_file)
 
 
-@task(**cached(cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("score"))
+@task(**cached(cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__)), container_image=cpu_image, enable_deck=True, **declared("score"))
 @recoverable
 def score(
     cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy: Policy, batch: RolloutResult, iteration: int, root: str, code: str
 ) -> BatchResult:
     policy_dir = policy.dir.download()
     shape = {"vocab_size": vocab_size(policy_dir), "group_size": rollout.n_samples}
-    samples = read_batch(batch.batch.download(), **shape)
-    metrics = score_batch(samples, bind(rollout=rollout, reward=cfg, hooks=hooks), AutoTokenizer.from_pretrained(policy_dir), iteration, batch.metrics)
+    samples, tokenizer = read_batch(batch.batch.download(), **shape), AutoTokenizer.from_pretrained(policy_dir)
+    metrics = score_batch(samples, bind(rollout=rollout, reward=cfg, hooks=hooks), tokenizer, iteration, batch.metrics)
     out, dest = new_artifact(root, "scored", iteration, cfg, hooks, uri_of(batch.batch), code, suffix=".parquet")
     write_batch(samples, out, scored=True, reward_range=(cfg.min, cfg.max), **shape)
+    batch_decks(readable_frame(samples, tokenizer), metrics)  # the batch in the Flyte console: responses, histograms
     return BatchResult(batch=uploaded_file(out, dest), metrics=metrics)
 
 
 @resizable_task(
-    **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, HealthConfig, module=__name__)),
+    **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, HealthConfig, DebugConfig, DistillConfig, module=__name__)),
     container_image=cpu_image,
+    enable_deck=True,
     task_config=Elastic(nnodes=1, nproc_per_node=TrainConfig().nproc_per_node, start_method="fork", monitor_interval=MONITOR_S),  # a run's: train_task(cfg)
     **declared("train"),
 )
@@ -155,6 +162,8 @@ def train(
     rollout: RolloutConfig,
     hooks: HooksConfig,
     health: HealthConfig,
+    debug: DebugConfig,
+    distill: DistillConfig,
     ckpt: Checkpoint,
     batch: BatchResult,
     reference: Policy,
@@ -171,11 +180,14 @@ def train(
         reward_range=(reward.min, reward.max),
         vocab_size=vocab_size(reference_dir),
         group_size=rollout.n_samples,
+        distilled=bool(distill.teacher),  # the teacher's task scored it (tasks/distill.py)
     )
-    out, dest = new_artifact(root, "checkpoint", iteration + 1, algo, cfg, rollout, hooks, health, uri_of(ckpt.dir), uri_of(batch.batch), code)
-    fns = bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks, health=health)
-    step, metrics = train_checkpoint(cfg, fns, fetched(uri_of(ckpt.dir)), samples, reference_dir, out, iteration)
-    return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics)
+    inputs = (algo, cfg, rollout, hooks, health, distill, uri_of(ckpt.dir), uri_of(batch.batch), code)
+    out, dest = new_artifact(root, "checkpoint", iteration + 1, *inputs)
+    fns, trace = bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks, health=health, distill=distill), {}
+    step, metrics = train_checkpoint(cfg, fns, fetched(uri_of(ckpt.dir)), samples, reference_dir, out, iteration, trace)
+    dump = train_outputs(samples, reference_dir, trace, metrics, (root, iteration, *inputs) if debug.dump_rollouts else None)
+    return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics, dump=dump)
 
 
 @resizable_task(**cached(cache_version(PublishConfig, TrainConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("publish"))

@@ -20,6 +20,8 @@ from miles_core import tracking
 from miles_core.config import RunConfig, config_hash, flatten
 from miles_core.config.model import URI_SCHEMES
 from miles_core.models.source import SOURCE_FILE, read_source
+from miles_core.plugins import STAGE_PLUGPOINTS, code_closure, plugin_code
+from miles_core.storage import digest
 from miles_core.weights.publish import read_manifest
 from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking, member, run_root_of, uri_of
 from tasks.metadata import SMALL, declared
@@ -49,6 +51,23 @@ def _execution_tag() -> str:
     return f"{execution.project}:{execution.domain}:{execution.name}"
 
 
+def _code_digest(cfg: RunConfig) -> str:
+    """Digest of the code this execution runs: the RL workflow's module with every project module it imports
+    (transitively), and the recipe's plug-in modules of every stage."""
+    workflow = code_closure("workflows.rl", ("miles_core", "tasks", "containers", "workflows"))
+    return digest(workflow, [plugin_code(cfg, stage) for stage in sorted(STAGE_PLUGPOINTS)])
+
+
+def _log_policy(run: Tracking, policy: Policy, iteration: int) -> None:
+    """A published policy's manifest as the run's policies/vNNNN.json, and the policy as a version of the experiment's
+    registered model (tracking.register_policy: a registry that fails leaves a warning, the policy stays published)."""
+    manifest = read_manifest(member(policy.dir, "policy.json").parent)
+    tracking.log_dict(run.uri, run.run_id, manifest, f"policies/v{policy.version:04d}.json")
+    registered = tracking.register_policy(run.uri, run.run_id, uri_of(policy.dir), manifest, iteration)
+    if registered is not None:
+        print(f"MLflow: policy v{policy.version} is models:/{registered.name}/{registered.version}", flush=True)
+
+
 @task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
 @recoverable
 def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, evaluation: dict[str, float]) -> Tracking:
@@ -68,12 +87,15 @@ def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, eva
             "model.source": source["path"],  # the base checkpoint every policy version of this run descends from
             "model.sha256": source["sha256"],
             "flyte.execution_id": _execution_tag(),
+            "code_digest": _code_digest(cfg),
             "parent_policy_dir": uri_of(start.dir),
         },
     )
     tracking.log_metrics(uri, run_id, evaluation, step=0)
     print(f"tracking: MLflow run {run_id} in {uri}")
-    return Tracking(uri=uri, run_id=run_id)
+    run = Tracking(uri=uri, run_id=run_id)
+    _log_policy(run, start, iteration=0)  # the policy RL starts from
+    return run
 
 
 @task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
@@ -83,7 +105,7 @@ def log_iteration(
 ) -> None:
     metrics = {**rollout, **score, **train, **evaluation, "time/logged_at": time.time()}
     tracking.log_metrics(run.uri, run.run_id, metrics, step=iteration + 1)
-    tracking.log_dict(run.uri, run.run_id, read_manifest(member(policy.dir, "policy.json").parent), f"policies/v{policy.version:04d}.json")
+    _log_policy(run, policy, iteration + 1)
     loss = f"loss {train['train/loss']:+.4f}" if "train/loss" in train else f"critic warm-up, value loss {train['critic/loss']:.4f}"
     line = f"iteration {iteration + 1}: reward {score['reward/mean']:.3f} {loss} policy v{policy.version}"
     if evaluation:
@@ -133,7 +155,7 @@ def log_phase(run: Tracking, first_iteration: int, phase: AsyncPhaseResult, eval
             f"staleness {step['async/staleness_mean']:.2f} (async)",
             flush=True,
         )
-    tracking.log_dict(run.uri, run.run_id, read_manifest(member(phase.policy.dir, "policy.json").parent), f"policies/v{phase.policy.version:04d}.json")
+    _log_policy(run, phase.policy, last)
     line = f"async phase {first_iteration + 1}-{last}: {phase.metrics['async/samples_per_s']:.1f} samples/s, policy v{phase.policy.version}"
     if evaluation:
         line += f" | held-out accuracy {evaluation['eval/accuracy']:.3f}"

@@ -21,6 +21,8 @@ LONGEST_FIRST = (
     "tests/integration/test_sglang.py",
     "tests/flyte/test_run.py",
     "tests/flyte/test_async_run.py",
+    "tests/flyte/test_distill.py",
+    "tests/integration/test_distill_learning.py",
 )
 
 

@@ -8,6 +8,7 @@ from miles_core.config import RunConfig
 from miles_core.data.source import DataState
 from tasks.async_phase import on_ray
 from tasks.common import Dataset, Policy
+from tasks.distill import teach, teacher_model
 from tasks.elastic import elastic
 from tasks.metadata import stage_overrides
 from tasks.rl import convert, evaluate, publish, rollout, score, train_task
@@ -42,6 +43,17 @@ def scored(cfg: RunConfig, policy: Policy, batch, iteration: int, code: str):
     return node.with_overrides(**stage_overrides(cfg, "score"))
 
 
+def teacher_of(cfg: RunConfig, start: Policy):
+    """The distillation teacher's checkpoint (distill.teacher), fetched and admitted against the policy's tokenizer once a run."""
+    return teacher_model(path=cfg.distill.teacher, policy=start, root=cfg.run_root)
+
+
+def taught(cfg: RunConfig, teacher: Policy, batch, iteration: int):
+    """The teacher's log-probs of a scored batch's tokens, between score and train (on-policy distillation): CPU, like score."""
+    node = teach(cfg=cfg.distill, rollout=cfg.rollout, reward=cfg.reward, teacher=teacher, batch=batch, iteration=iteration, root=cfg.run_root)
+    return node.with_overrides(**stage_overrides(cfg, "teacher"))
+
+
 def trained_on(cfg: RunConfig, ckpt, batch, reference: Policy, iteration: int, code: str):
     """The train task of one iteration on a scored batch: the recipe's processes (nnodes x nproc_per_node), GPUs and memory."""
     node = train_task(cfg.train, cfg.cluster)(
@@ -51,6 +63,8 @@ def trained_on(cfg: RunConfig, ckpt, batch, reference: Policy, iteration: int, c
         rollout=cfg.rollout,
         hooks=cfg.hooks,
         health=cfg.health,
+        debug=cfg.debug,
+        distill=cfg.distill,
         ckpt=ckpt,
         batch=batch,
         reference=reference,

@@ -1,4 +1,4 @@
-"""The RL workflow: base model (admitted) -> SFT -> convert -> [rollout -> score -> train -> publish] x N.
+"""The RL workflow: base model (admitted) -> SFT -> convert -> [rollout -> score -> (teacher) -> train -> publish] x N.
 
     pyflyte run workflows/rl.py rl --cfg "$(python -m miles_core.config recipes/tiny_arith_cpu.yaml)"
     pyflyte run workflows/rl.py rl_recipe --recipe s3://bucket/my_recipe.yaml --overrides '["iterations=40"]'
@@ -27,7 +27,7 @@ from tasks.metadata import BUILDER
 from tasks.prepare import admit_model, base_model, make_data, read_recipe
 from tasks.sft import sft
 from tasks.tracking import Report, finish_run, log_iteration, log_phase, mark_failed, start_run
-from workflows.nodes import converted, evaluated, phased, published, rolled_out, scored, trained_on
+from workflows.nodes import converted, evaluated, phased, published, rolled_out, scored, taught, teacher_of, trained_on
 
 
 class LoopResult(NamedTuple):
@@ -59,6 +59,7 @@ def evaluate_start(cfg: RunConfig, start: Policy, dataset: Dataset) -> dict[str,
 def rl_block(
     cfg: RunConfig,
     reference: Policy,
+    teacher: Optional[Policy],  # noqa: UP045 (the Optional flytekit's type engine reads) the distillation teacher, or None
     dataset: Dataset,
     run: Tracking,
     ckpt: Checkpoint,
@@ -80,6 +81,7 @@ def rl_block(
             continue
         batch = rolled_out(cfg, policy, dataset, state, buffer, it, code["rollout"])
         rewarded = scored(cfg, policy, batch, it, code["score"])
+        rewarded = taught(cfg, teacher, rewarded, it) if teacher is not None else rewarded  # on-policy distillation: the teacher's log-probs
         trained = trained_on(cfg, ckpt, rewarded, reference, it, code["train"])
         policy = published(cfg, trained.ckpt, policy)
         evaluation = evaluated(cfg, policy, dataset, code["evaluate"]) if due else evaluation
@@ -94,8 +96,9 @@ def rl_block(
 def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> LoopResult:
     """Every iteration, block by block; returns the final policy and its held-out evaluation."""
     carried = LoopState(ckpt=converted(cfg, start), policy=start, state=DataState(), buffer=None, evaluation={})
+    teacher = teacher_of(cfg, start) if cfg.distill.teacher else None
     for first, stop in plan_blocks(plan(cfg), cfg.cluster.block_iterations):
-        carried = rl_block(cfg=cfg, reference=start, dataset=dataset, run=run, **carried._asdict(), first=first, stop=stop)
+        carried = rl_block(cfg=cfg, reference=start, teacher=teacher, dataset=dataset, run=run, **carried._asdict(), first=first, stop=stop)
     return carried.policy, carried.evaluation
 
 

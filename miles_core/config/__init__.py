@@ -12,6 +12,8 @@ from miles_core.config.async_phase import SCHEDULES, STALE_POLICIES, AsyncConfig
 from miles_core.config.base import ConfigError
 from miles_core.config.cluster import ACCELERATORS, ClusterConfig
 from miles_core.config.data import DataConfig, SFTConfig
+from miles_core.config.debug import DebugConfig
+from miles_core.config.distill import DistillConfig
 from miles_core.config.model import MODEL_ARCHS, ModelConfig
 from miles_core.config.recipe import config_hash, flatten, load_recipe
 from miles_core.config.reward import RewardConfig
@@ -38,6 +40,8 @@ __all__ = [
     "ClusterConfig",
     "ConfigError",
     "DataConfig",
+    "DistillConfig",
+    "DebugConfig",
     "EvalConfig",
     "HealthConfig",
     "HooksConfig",

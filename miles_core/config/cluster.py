@@ -18,7 +18,7 @@ from miles_core.config.base import check as _check
 GPU_PLATFORMS = ("cuda", "rocm")
 ACCELERATORS = ("nvidia-h100", "nvidia-h200", "nvidia-tesla-a100", "nvidia-a100-80gb", "nvidia-l40s", "nvidia-l4", "nvidia-a10g")
 # the stages whose tasks the loop builds, each with a timeout of its own (cluster.<stage>_timeout_min)
-TIMED_STAGES = ("convert", "rollout", "score", "train", "publish", "evaluate", "async")
+TIMED_STAGES = ("convert", "rollout", "score", "teacher", "train", "publish", "evaluate", "async")
 MAX_TIMEOUT_MIN = 7 * 24 * 60  # a week: longer is a typo, and no pod should hold GPUs that long unseen
 _EMAIL = re.compile(r"^[^@\s,]+@[^@\s,]+\.[^@\s,]+$")
 
@@ -36,6 +36,7 @@ class ClusterConfig:
     convert_timeout_min: int = 240
     rollout_timeout_min: int = 180
     score_timeout_min: int = 60
+    teacher_timeout_min: int = 60  # on-policy distillation: the teacher's log-probs of one batch (tasks/distill.py teach)
     train_timeout_min: int = 240
     publish_timeout_min: int = 60
     evaluate_timeout_min: int = 120

@@ -19,6 +19,16 @@ MIN_LAYERS |= dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v
 URI_SCHEMES = ("s3://", "gs://", "gcs://", "abfs://", "abfss://", "az://", "oci://", "file://")  # what flytekit's file access reads
 
 
+def check_checkpoint_path(path: str, key: str) -> None:
+    """An HF checkpoint's path as `key` names it: a directory or an object-store URI of a scheme flytekit reads ("" allowed)."""
+    _check(
+        len(path) <= 4096 and path.isprintable() and path == path.strip(),
+        key,
+        f"must be a directory or an object-store URI (printable, no surrounding spaces), got {path[:80]!r}",
+    )
+    _check("://" not in path or path.startswith(URI_SCHEMES), key, f"unknown scheme in {path[:80]!r} (known: {', '.join(URI_SCHEMES)})")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The base policy. `path` names a user's HF checkpoint (its weights, tokenizer, chat template and
@@ -39,14 +49,7 @@ class ModelConfig:
 
     def __post_init__(self):
         check_finite(self, "model")
-        _check(
-            len(self.path) <= 4096 and self.path.isprintable() and self.path == self.path.strip(),
-            "model.path",
-            f"must be a directory or an object-store URI (printable, no surrounding spaces), got {self.path[:80]!r}",
-        )
-        _check(
-            "://" not in self.path or self.path.startswith(URI_SCHEMES), "model.path", f"unknown scheme in {self.path[:80]!r} (known: {', '.join(URI_SCHEMES)})"
-        )
+        check_checkpoint_path(self.path, "model.path")
         _check(self.arch in MODEL_ARCHS, "model.arch", f"must be one of {', '.join(MODEL_ARCHS)}, got {self.arch!r}")
         _check(self.num_experts >= 2 and self.moe_intermediate_size > 0, "model.num_experts", "need num_experts >= 2 and moe_intermediate_size > 0")
         _check(1 <= self.moe_top_k <= self.num_experts, "model.moe_top_k", f"must be in [1, num_experts={self.num_experts}]")

@@ -5,8 +5,8 @@ checks (ranges, finiteness, one key against its neighbour's bound) live in its d
 the rules that need two sections, or two settings whose combination is wrong although each is
 right: rollout log-probs with IS corrections, over-sampling without dynamic sampling, a backend
 with a parallel size or an engine with a precision it does not read, parallel sizes with the model's shape,
-async phases with what they do not run (a critic), QAT without the quantized publish it trains for,
-a GPU type without GPUs, routing replay without experts.
+async phases with what they do not run (a critic, a teacher), QAT without the quantized publish it trains for,
+a GPU type without GPUs, routing replay without experts, distillation alone with what reads the task reward.
 """
 
 from __future__ import annotations
@@ -198,6 +198,31 @@ RULES: tuple[Rule, ...] = (
         _async,
         lambda c: c.async_phase.take_timeout_s < c.cluster.timeout_s("async"),
         lambda c: f"must be below cluster.async_timeout_min ({c.cluster.async_timeout_min} min): the task's own timeout would end the phase first",
+    ),
+    Rule(
+        "distill.teacher",
+        lambda c: bool(c.distill.teacher),
+        lambda c: not _async(c),
+        lambda c: (
+            "the teacher scores a batch in its own task between score and train, which an async phase (one Ray job) does not run: "
+            "distil with async_phase.schedule: sync"
+        ),
+    ),
+    Rule(
+        "distill.with_reward",
+        lambda c: not c.distill.with_reward,
+        lambda c: c.algo.advantage != "ppo",
+        lambda c: (
+            "PPO's critic learns the values of the task reward, which distillation alone does not train on: set with_reward: true or a critic-free algo.advantage"
+        ),
+    ),
+    Rule(
+        "distill.with_reward",
+        lambda c: not c.distill.with_reward,
+        lambda c: not c.rollout.dynamic_sampling,
+        lambda c: (
+            "dynamic sampling drops groups by the spread of the task reward, which distillation alone does not train on: set rollout.dynamic_sampling: false"
+        ),
     ),
 )
 

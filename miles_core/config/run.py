@@ -10,6 +10,8 @@ from miles_core.config.base import check as _check
 from miles_core.config.base import check_finite
 from miles_core.config.cluster import ClusterConfig
 from miles_core.config.data import DataConfig, SFTConfig
+from miles_core.config.debug import DebugConfig
+from miles_core.config.distill import DistillConfig
 from miles_core.config.model import ModelConfig
 from miles_core.config.reward import RewardConfig
 from miles_core.config.rollout import RolloutConfig
@@ -35,7 +37,9 @@ class RunConfig:
     hooks: HooksConfig = field(default_factory=HooksConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     async_phase: AsyncConfig = field(default_factory=AsyncConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self):
         _check(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")

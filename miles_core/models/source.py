@@ -50,8 +50,9 @@ def checkpoint_digest(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def fetch_base(cfg: ModelConfig, out: str | Path, download: Callable[[str, str], None]) -> dict:
-    """The base checkpoint at `out` (replaced atomically); returns its source record (also written to out/source.json)."""
+def fetch_base(cfg: ModelConfig, out: str | Path, download: Callable[[str, str], None], key: str = "model.path") -> dict:
+    """The base checkpoint at `out` (replaced atomically); returns its source record (also written to out/source.json).
+    `key` names the config key the path came from in an error (the distillation teacher's is distill.teacher)."""
     with atomic_dir(out) as tmp:
         if not cfg.path:
             build_tiny_model(cfg, str(tmp))
@@ -60,7 +61,7 @@ def fetch_base(cfg: ModelConfig, out: str | Path, download: Callable[[str, str],
         elif Path(cfg.path).is_dir():
             shutil.copytree(cfg.path, tmp, dirs_exist_ok=True)  # a copy, not links: the user may rewrite their files in place
         else:
-            raise CheckpointError(f"model.path: {cfg.path} is no directory here (on a cluster, name an object-store URI: {', '.join(URI_SCHEMES[:3])} ...)")
+            raise CheckpointError(f"{key}: {cfg.path} is no directory here (on a cluster, name an object-store URI: {', '.join(URI_SCHEMES[:3])} ...)")
         (tmp / SOURCE_FILE).unlink(missing_ok=True)  # a checkpoint that is itself a base artifact keeps its own origin out
         record = {"path": cfg.path or f"tiny:{cfg.arch}:seed={cfg.seed}", "sha256": checkpoint_digest(tmp)}
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2))

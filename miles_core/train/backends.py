@@ -80,17 +80,24 @@ def save_checkpoint(trainer: Trainer, critic: Trainer | None, out_dir: Path, tok
 
 
 def train_checkpoint(
-    cfg: TrainConfig, fns: StepFns, ckpt_dir: str, samples: list[Sample], reference_dir: str, out_dir: Path, iteration: int
+    cfg: TrainConfig,
+    fns: StepFns,
+    ckpt_dir: str,
+    samples: list[Sample],
+    reference_dir: str,
+    out_dir: Path,
+    iteration: int,
+    trace: dict | None = None,
 ) -> tuple[int, dict[str, float]]:
     """The train stage from a checkpoint to the next: load, `step.train_step`, save atomically to out_dir,
-    the after_save hook. Returns (optimizer steps so far, metrics).
+    the after_save hook. Returns (optimizer steps so far, metrics); `trace` receives the step's per-token tensors.
 
     Run by every process of the train task: each trains its data-parallel share of the batch.
     """
     trainer = load_trainer(cfg, ckpt_dir)
     critic = load_critic(fns.algo, cfg, ckpt_dir)
     reference = make_trainer(cfg, reference_dir) if fns.algo.kl_coef > 0 else None
-    metrics = train_step(trainer, samples, fns, AutoTokenizer.from_pretrained(ckpt_dir).pad_token_id, reference, critic, iteration)
+    metrics = train_step(trainer, samples, fns, AutoTokenizer.from_pretrained(ckpt_dir).pad_token_id, reference, critic, iteration, trace)
     save_checkpoint(trainer, critic, out_dir, ckpt_dir)
     fns.after_save(str(out_dir), iteration)
     return trainer.step, metrics

@@ -42,6 +42,7 @@ class PackedBatch:
     loss_mask: torch.Tensor  # [B, T] the samples' loss masks, 0 on padding
     rollout_logprobs: torch.Tensor  # [B, T]
     routed_experts: torch.Tensor | None = None  # [B, L, MoE layers x k] the rollout's experts (R3), -1 where none
+    teacher_logprobs: torch.Tensor | None = None  # [B, T] the distillation teacher's, when every sample carries them
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -60,6 +61,7 @@ def pack(samples: list[Sample], pad_id: int) -> PackedBatch:
     response_mask = torch.zeros(B, T)
     loss_mask = torch.zeros(B, T)
     rollout_logprobs = torch.zeros(B, T)
+    teacher_logprobs = torch.zeros(B, T) if all(s.teacher_logprobs for s in samples) else None
     for i, s in enumerate(samples):
         P, R = len(s.prompt_tokens), len(s.response_tokens)
         input_ids[i, : P + R] = torch.tensor(s.prompt_tokens + s.response_tokens)
@@ -68,7 +70,9 @@ def pack(samples: list[Sample], pad_id: int) -> PackedBatch:
         response_mask[i, :R] = 1
         loss_mask[i, :R] = torch.tensor(s.loss_mask, dtype=torch.float)
         rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
-    return PackedBatch(input_ids, attention_mask, gather_index, response_mask, loss_mask, rollout_logprobs, _routing(samples, L))
+        if teacher_logprobs is not None:
+            teacher_logprobs[i, :R] = torch.tensor(s.teacher_logprobs)
+    return PackedBatch(input_ids, attention_mask, gather_index, response_mask, loss_mask, rollout_logprobs, _routing(samples, L), teacher_logprobs)
 
 
 def _routing(samples: list[Sample], L: int) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ from workflows.rl import rl_block
 
 # inputs that point into an object store: building the futures file reads none of them
 POLICY = Policy(dir=FlyteDirectory("s3://runs/policy/v1"), version=1)
+TEACHER = Policy(dir=FlyteDirectory("s3://runs/teacher/0"), version=0)
 CHECKPOINT = Checkpoint(dir=FlyteDirectory("s3://runs/checkpoint/0"), step=0)
 DATASET = Dataset(train=FlyteFile("s3://runs/data/train.jsonl"), test=FlyteFile("s3://runs/data/test.jsonl"), sha256="0" * 64)
 RUN = Tracking(uri="http://mlflow:5000", run_id="0" * 32)
@@ -49,4 +50,5 @@ def template_of(spec, node):
 def block_futures(cfg: RunConfig, first: int, stop: int):
     """The futures file of the loop's block of iterations [first, stop), started from the inputs above."""
     state = {"ckpt": CHECKPOINT, "policy": POLICY, "state": DataState(), "buffer": None, "evaluation": {}}
-    return futures(rl_block, cfg=cfg, reference=POLICY, dataset=DATASET, run=RUN, **state, first=first, stop=stop)
+    teacher = TEACHER if cfg.distill.teacher else None
+    return futures(rl_block, cfg=cfg, reference=POLICY, teacher=teacher, dataset=DATASET, run=RUN, **state, first=first, stop=stop)

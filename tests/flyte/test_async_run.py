@@ -79,6 +79,9 @@ def test_async_phases_resume_after_a_kill_without_losing_or_repeating_a_sample(t
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3, 4, 5]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "async_staleness_mean")] == [2, 3, 4, 5]  # the async steps
+    versions = client.search_model_versions(f"name = 'smoke_async-policy' and tags.run_id = '{run.info.run_id}'")
+    # the SFT start, the sync iteration's policy and each async phase's, registered at the phase's last iteration
+    assert sorted((int(v.tags["iteration"]), int(v.tags["policy_version"])) for v in versions) == [(0, 1), (1, 2), (3, 4), (5, 6)]
     for key in (
         "async_queue_depth_mean",
         "async_staleness_mean",

@@ -19,7 +19,7 @@ from workflows.rl import evaluate_start, rl_block, rl_loop
 pytestmark = pytest.mark.flyte
 
 EVERY_TASK = [*CACHED, async_phase, *UNCACHED, log_phase]
-INTERRUPTIBLE = {"tasks.rl.rollout", "tasks.rl.score", "tasks.rl.evaluate"}
+INTERRUPTIBLE = {"tasks.rl.rollout", "tasks.rl.score", "tasks.distill.teach", "tasks.rl.evaluate"}
 
 
 def declared_requests(template) -> dict:

@@ -11,7 +11,7 @@ from flytekit.tools.translator import get_serializable
 
 import miles_core
 from containers.images import cpu_image
-from tasks import prepare, sft, tracking
+from tasks import distill, prepare, sft, tracking
 from tasks import rl as rl_tasks
 from workflows.rl import rl, rl_loop
 
@@ -34,6 +34,8 @@ CACHED = [
     rl_tasks.train,
     rl_tasks.publish,
     rl_tasks.evaluate,
+    distill.teacher_model,
+    distill.teach,
 ]
 UNCACHED = [prepare.read_recipe, tracking.start_run, tracking.log_iteration, tracking.finish_run]  # read_recipe: a file changed in place is read again
 

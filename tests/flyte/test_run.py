@@ -1,4 +1,5 @@
-"""A real local execution of the RL workflow: it trains, logs to MLflow, starts from a user's checkpoint, and resumes after a kill."""
+"""A real local execution of the RL workflow: it trains, logs to MLflow (its policies in the model registry), starts from
+a user's checkpoint, and resumes after a kill."""
 
 import json
 import math
@@ -9,8 +10,12 @@ import subprocess
 import time
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from miles_core import tracking
 from miles_core.models.source import checkpoint_digest, read_source
 from miles_core.schemas import read_batch
 from miles_core.storage import sha256_file
@@ -39,8 +44,30 @@ def test_run_trains_and_tracks(smoke_run):
     (base,) = root.glob("base/*/")
     assert run.data.tags["model.source"] == "tiny:qwen2:seed=0" and run.data.tags["model.sha256"] == checkpoint_digest(base)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "policies")}
-    assert artifacts == {f"policies/v{v:04d}.json" for v in (2, 3, 4)}
+    assert artifacts == {f"policies/v{v:04d}.json" for v in (1, 2, 3, 4)}  # the SFT start and each iteration's
     assert any(a.path.endswith("reward_curve.png") for a in client.list_artifacts(run.info.run_id))
+
+
+def test_every_published_policy_is_a_registered_version_that_loads_back(smoke_run, tmp_path):
+    """The SFT start and each iteration's policy are versions of `smoke-policy`, sourced from the published directory
+    and tagged with their lineage; iteration N of the run loads back with exactly the weights published as v(N + 1)."""
+    root, _ = smoke_run
+    uri = f"sqlite:///{root}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    versions = client.search_model_versions("name = 'smoke-policy'")
+    lineage = sorted((int(v.tags["iteration"]), int(v.tags["policy_version"]), int(v.tags["parent_version"])) for v in versions)
+    assert lineage == [(0, 1, 0), (1, 2, 1), (2, 3, 2), (3, 4, 3)]
+    published = {json.loads(p.read_text())["version"]: p.parent for p in [*root.glob("sft/*/policy.json"), *root.glob("policy/*/policy.json")]}
+    for version in versions:
+        assert version.run_id == run.info.run_id and version.source == version.tags["policy_dir"]
+        assert os.path.samefile(version.source, published[int(version.tags["policy_version"])])
+        assert {k: version.tags[k] for k in tracking.RUN_LINEAGE} == {k: run.data.tags[k] for k in tracking.RUN_LINEAGE}
+    for iteration in (0, 3):
+        loaded = tracking.load_policy(uri, "smoke-policy", run_id=run.info.run_id, iteration=iteration, dst_path=str(tmp_path / str(iteration)))
+        state = AutoModelForCausalLM.from_pretrained(loaded).state_dict()
+        weights = load_file(published[iteration + 1] / "model.safetensors")
+        assert all(torch.equal(state[name], tensor) for name, tensor in weights.items())
 
 
 def test_run_from_a_checkpoint_path_resumes_after_a_kill_to_the_same_weights(smoke_run, tmp_path):

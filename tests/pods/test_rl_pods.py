@@ -7,10 +7,13 @@ in the store; the pods share nothing else.
 """
 
 import pytest
+import torch
 from flytekit.core.type_engine import TypeEngine
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from miles_core import tracking
 from miles_core.config.recipe import load_recipe
 from tasks.tracking import Report
 from tests.servers import mlflow_server
@@ -55,6 +58,22 @@ def test_the_iteration_is_tracked_in_one_mlflow_run_and_the_final_policy_loads_f
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1]
     assert run.data.tags["policy_dir"] == report.policy.dir.remote_source  # lineage names the store, not a pod's disk
+
+
+def test_the_published_policies_are_registered_through_the_server_and_load_from_the_store(store, rl_runs, tmp_path, monkeypatch):
+    """The registered version's source is the policy's URI in the store; loading iteration 1 downloads it from there."""
+    uri, first, _ = rl_runs
+    with store.context() as ctx:
+        report = TypeEngine.to_python_value(ctx, first.outputs.literals["o0"], Report)
+        store.files.get_data(report.policy.dir.remote_source, str(tmp_path / "policy"), is_multipart=True)
+    found = MlflowClient(tracking_uri=uri).search_model_versions(f"name = 'smoke-policy' and tags.run_id = '{report.tracking.run_id}'")
+    assert sorted(int(v.tags["iteration"]) for v in found) == [0, 1]
+    assert {v.source for v in found if v.tags["iteration"] == "1"} == {report.policy.dir.remote_source}
+    for key, value in {"MLFLOW_S3_ENDPOINT_URL": store.endpoint, "AWS_ACCESS_KEY_ID": "pods", "AWS_SECRET_ACCESS_KEY": "pods-secret"}.items():
+        monkeypatch.setenv(key, value)  # the reader's own credentials for the store
+    loaded = tracking.load_policy(uri, "smoke-policy", run_id=report.tracking.run_id, iteration=1, dst_path=str(tmp_path / "registered"))
+    got, want = load_file(f"{loaded}/model.safetensors"), load_file(tmp_path / "policy" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_second_run_hits_the_cache_for_every_cached_task(rl_runs):

@@ -10,6 +10,7 @@ from miles_core.config.rules import PARALLEL_SPLITS, RULES
 
 MEGATRON = {"train.backend": "megatron"}
 ASYNC = {"async_phase.schedule": "async"}
+TEACHER = {"distill.teacher": "s3://models/teacher"}
 
 # (id, overrides that break the rule, the error it must give, overrides on top that satisfy it)
 CASES = [
@@ -140,6 +141,24 @@ CASES = [
         {**ASYNC, "cluster.async_timeout_min": 10},
         "async_phase.take_timeout_s: must be below cluster.async_timeout_min (10 min)",
         {"async_phase.take_timeout_s": 300.0},
+    ),
+    (
+        "distill_async",
+        {**ASYNC, **TEACHER},
+        "distill.teacher: the teacher scores a batch in its own task between score and train, which an async phase",
+        {"async_phase.schedule": "sync"},
+    ),
+    (
+        "distill_alone_critic",
+        {**TEACHER, "distill.with_reward": False, "algo.advantage": "ppo"},
+        "distill.with_reward: PPO's critic learns the values of the task reward",
+        {"algo.advantage": "grpo"},
+    ),
+    (
+        "distill_alone_dynamic_sampling",
+        {**TEACHER, "distill.with_reward": False, "rollout.dynamic_sampling": True},
+        "distill.with_reward: dynamic sampling drops groups by the spread of the task reward",
+        {"rollout.dynamic_sampling": False},
     ),
 ]
 
