@@ -114,13 +114,14 @@ def end_run(uri: str, run_id: str) -> None:
     _client(uri).set_terminated(run_id)
 
 
-def running_run(uri: str, experiment: str, tags: dict[str, str]) -> str | None:
-    """The newest unfinished run of `experiment` carrying these tags (values of letters, digits and ':'), or None."""
+def newest_run(uri: str, experiment: str, tags: dict[str, str], status: str = "") -> str | None:
+    """The newest run of `experiment` carrying these tags (values of letters, digits and ':') and, when given, in this
+    status (RUNNING, FINISHED, FAILED), or None."""
     client = _client(uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return None
-    query = " and ".join([*(f"tags.`{key}` = '{value}'" for key, value in tags.items()), "attributes.status = 'RUNNING'"])
+    query = " and ".join([*(f"tags.`{key}` = '{value}'" for key, value in tags.items()), *([f"attributes.status = '{status}'"] if status else [])])
     runs = client.search_runs([found.experiment_id], query, order_by=["attributes.start_time DESC"], max_results=1)
     return runs[0].info.run_id if runs else None
 

@@ -168,7 +168,7 @@ def mark_failed(cfg: RunConfig, err: Optional[FlyteError] = None) -> None:  # no
     """The run workflow's failure handler: this execution's MLflow run ends FAILED, tagged with the node that failed,
     its error and the health gate that tripped, if one did. What the run published before it failed stays."""
     uri = tracking.tracking_uri(cfg.tracking, run_root_of(cfg.run_root), _secret_server())
-    run_id = tracking.running_run(uri, cfg.tracking.experiment or cfg.name, {"config_hash": config_hash(cfg), "flyte.execution_id": _execution_tag()})
+    run_id = tracking.newest_run(uri, cfg.tracking.experiment or cfg.name, {"config_hash": config_hash(cfg), "flyte.execution_id": _execution_tag()}, "RUNNING")
     if run_id is None:
         print("the run failed before its MLflow run started: nothing to mark", flush=True)
         return

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,12 @@ def run_workflow(recipe: str, root: Path, home: Path, *overrides: str, workflow:
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return out
+
+
+def decks(log: str) -> dict[str, str]:
+    """{task name: its last deck's HTML} from the INFO lines of a local run (rich wraps them anywhere: read without spaces)."""
+    found = re.findall(r"-(\w+?)taskcreatesflytedeckhtmltofile://(\S+?deck\.html)", "".join(log.split()))
+    return {task: open(path, encoding="utf-8").read() for task, path in found}
 
 
 def final_policy(root: Path) -> Path:

@@ -4,6 +4,8 @@ compile what it builds. Composition only."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from miles_core.config import RunConfig
 from miles_core.data.source import DataState
 from tasks.async_phase import on_ray
@@ -12,6 +14,25 @@ from tasks.distill import teach, teacher_model
 from tasks.elastic import elastic
 from tasks.metadata import stage_overrides
 from tasks.rl import convert, evaluate, publish, rollout, score, train_task
+
+
+class Iteration(NamedTuple):
+    """The nodes of one sync iteration: what each later one, the tracking and a replay read."""
+
+    batch: Any  # the rollout's RolloutResult (its batch, data state, buffer and metrics)
+    scored: Any  # the scored batch the train task trained on (BatchResult)
+    trained: Any  # TrainResult: the next checkpoint and the step's metrics
+    policy: Any  # the policy published from it
+
+
+def iterated(cfg: RunConfig, ckpt, policy: Policy, reference: Policy, teacher, dataset: Dataset, state, buffer, iteration: int, code: dict) -> Iteration:
+    """One sync iteration: rollout -> score -> (the distillation teacher) -> train -> publish; `code`: the recipe's plug-in
+    sources per stage."""
+    batch = rolled_out(cfg, policy, dataset, state, buffer, iteration, code["rollout"])
+    rewarded = scored(cfg, policy, batch, iteration, code["score"])
+    rewarded = taught(cfg, teacher, rewarded, iteration) if teacher is not None else rewarded  # on-policy distillation
+    trained = trained_on(cfg, ckpt, rewarded, reference, iteration, code["train"])
+    return Iteration(batch, rewarded, trained, published(cfg, trained.ckpt, policy))
 
 
 def converted(cfg: RunConfig, start: Policy):

@@ -27,7 +27,7 @@ from tasks.metadata import BUILDER
 from tasks.prepare import admit_model, base_model, make_data, read_recipe
 from tasks.sft import sft
 from tasks.tracking import Report, finish_run, log_iteration, log_phase, mark_failed, start_run
-from workflows.nodes import converted, evaluated, phased, published, rolled_out, scored, taught, teacher_of, trained_on
+from workflows.nodes import converted, evaluated, iterated, phased, teacher_of
 
 
 class LoopResult(NamedTuple):
@@ -79,35 +79,63 @@ def rl_block(
             log_phase(run=run, first_iteration=it, phase=phase, evaluation=evaluation if due else {})
             ckpt, policy, state, buffer = phase.ckpt, phase.policy, phase.state, phase.buffer
             continue
-        batch = rolled_out(cfg, policy, dataset, state, buffer, it, code["rollout"])
-        rewarded = scored(cfg, policy, batch, it, code["score"])
-        rewarded = taught(cfg, teacher, rewarded, it) if teacher is not None else rewarded  # on-policy distillation: the teacher's log-probs
-        trained = trained_on(cfg, ckpt, rewarded, reference, it, code["train"])
-        policy = published(cfg, trained.ckpt, policy)
-        evaluation = evaluated(cfg, policy, dataset, code["evaluate"]) if due else evaluation
+        step = iterated(cfg, ckpt, policy, reference, teacher, dataset, state, buffer, it, code)
+        evaluation = evaluated(cfg, step.policy, dataset, code["evaluate"]) if due else evaluation
         log_iteration(
-            run=run, iteration=it, rollout=batch.metrics, score=rewarded.metrics, train=trained.metrics, evaluation=evaluation if due else {}, policy=policy
+            run=run,
+            iteration=it,
+            rollout=step.batch.metrics,
+            score=step.scored.metrics,
+            train=step.trained.metrics,
+            evaluation=evaluation if due else {},
+            policy=step.policy,
         )
-        ckpt, state, buffer = trained.ckpt, batch.state, batch.buffer
+        ckpt, policy, state, buffer = step.trained.ckpt, step.policy, step.batch.state, step.batch.buffer
     return ckpt, policy, state, buffer, evaluation
+
+
+def started(cfg: RunConfig, start: Policy) -> LoopState:
+    """The loop's state before its first iteration: the SFT policy, converted to the trainer's format."""
+    return LoopState(ckpt=converted(cfg, start), policy=start, state=DataState(), buffer=None, evaluation={})
+
+
+def blocks(cfg: RunConfig, carried: LoopState, start: Policy, dataset: Dataset, run: Tracking, first: int, stop: int) -> LoopState:
+    """Iterations [first, stop) of `cfg`'s loop from the state `carried`, block by block (the loop's own blocks, cut at
+    first and stop)."""
+    teacher = teacher_of(cfg, start) if cfg.distill.teacher else None
+    for begin, end in plan_blocks(plan(cfg), cfg.cluster.block_iterations):
+        if begin < stop and end > first:
+            carried = rl_block(
+                cfg=cfg, reference=start, teacher=teacher, dataset=dataset, run=run, **carried._asdict(), first=max(begin, first), stop=min(end, stop)
+            )
+    return LoopState(*carried)
 
 
 @dynamic(container_image=cpu_image, **BUILDER)
 def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> LoopResult:
     """Every iteration, block by block; returns the final policy and its held-out evaluation."""
-    carried = LoopState(ckpt=converted(cfg, start), policy=start, state=DataState(), buffer=None, evaluation={})
-    teacher = teacher_of(cfg, start) if cfg.distill.teacher else None
-    for first, stop in plan_blocks(plan(cfg), cfg.cluster.block_iterations):
-        carried = rl_block(cfg=cfg, reference=start, teacher=teacher, dataset=dataset, run=run, **carried._asdict(), first=first, stop=stop)
+    carried = blocks(cfg, started(cfg, start), start, dataset, run, 0, cfg.iterations)
     return carried.policy, carried.evaluation
+
+
+class Prepared(NamedTuple):
+    base: Policy
+    dataset: Dataset
+    start: Policy  # the policy RL starts from (the base after SFT)
+    before: dict[str, float]  # its held-out evaluation
+
+
+def prepared(cfg: RunConfig) -> Prepared:
+    """What the loop starts from: the admitted base model, the prompt files, the SFT policy and its evaluation."""
+    base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train, rollout=cfg.rollout)
+    dataset = make_data(cfg=cfg.data, root=cfg.run_root)
+    start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
+    return Prepared(base, dataset, start, evaluate_start(cfg=cfg, start=start, dataset=dataset))
 
 
 @workflow(on_failure=mark_failed)
 def rl(cfg: RunConfig = RunConfig()) -> Report:  # noqa: B008 (the workflow's default input, frozen)
-    base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train, rollout=cfg.rollout)
-    dataset = make_data(cfg=cfg.data, root=cfg.run_root)
-    start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
-    before = evaluate_start(cfg=cfg, start=start, dataset=dataset)
+    base, dataset, start, before = prepared(cfg)
     run = start_run(cfg=cfg, dataset=dataset, base=base, start=start, evaluation=before)
     final = rl_loop(cfg=cfg, start=start, dataset=dataset, run=run)
     return finish_run(run=run, before=before, after=final.evaluation, policy=final.policy, root=cfg.run_root)

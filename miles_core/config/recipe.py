@@ -144,6 +144,14 @@ def config_from_json(text: str) -> RunConfig:
     return _build(RunConfig, values, "")
 
 
+def with_overrides(cfg: RunConfig, overrides: dict) -> RunConfig:
+    """`cfg` with dotted `key: value` overrides (as `parse_overrides` reads them), checked like a recipe's."""
+    values = dataclasses.asdict(cfg)
+    for key, value in _expand_seed(overrides).items():
+        _set_dotted(values, key, value)
+    return _build(RunConfig, values, "")
+
+
 SEEDED_SECTIONS = ("model", "data", "sft", "rollout", "train")
 
 

@@ -4,7 +4,6 @@ debug.dump_rollouts, dumps the batch again with the step's advantages and traine
 tasks write their decks (samples, histograms, and on train the train/rollout mismatch) where the log says."""
 
 import json
-import re
 import subprocess
 from collections import OrderedDict
 
@@ -17,18 +16,12 @@ from miles_core.dump import JSONL, PARQUET, read_rollouts
 from miles_core.schemas import read_batch
 from tasks import debug as debug_tasks
 from tasks import rl as rl_tasks
-from tests.conftest import REPO, run_workflow, workflow_command, workflow_env
+from tests.conftest import REPO, decks, run_workflow, workflow_command, workflow_env
 from workflows.debug import rollout_only, train_only
 
 pytestmark = pytest.mark.flyte
 
 ROWS = 8 * 4  # smoke: prompts_per_step x n_samples
-
-
-def decks(log: str) -> dict[str, str]:
-    """{task name: its deck's HTML} from the INFO lines of a local run (rich wraps them anywhere: read without spaces)."""
-    found = re.findall(r"-(\w+?)taskcreatesflytedeckhtmltofile://(\S+?deck\.html)", "".join(log.split()))
-    return {task: open(path, encoding="utf-8").read() for task, path in found}
 
 
 @pytest.fixture(scope="module")
