@@ -58,6 +58,8 @@ bench: setup
 	$(PY) bench/orchestration.py
 	$(PY) bench/async_vs_sync.py
 	$(PY) bench/precision.py
+	$(PY) bench/lora.py
+	$(PY) bench/speculative.py
 
 # Refresh the locks: resolve pyproject.toml (and the SGLang image's requirements) anew, newest
 # versions allowed by their ranges, with hashes. tests/unit/test_lock.py fails when they disagree.

@@ -43,7 +43,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def build_model_dir(args: argparse.Namespace, root: str) -> str:
+def bench_model(args: argparse.Namespace) -> Qwen2ForCausalLM:
+    """The benchmarks' Qwen2 of --vocab, --hidden and --layers, room for --prompt-len + --new-tokens, seeded."""
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=args.vocab,
@@ -55,7 +56,11 @@ def build_model_dir(args: argparse.Namespace, root: str) -> str:
         max_position_embeddings=args.prompt_len + args.new_tokens + 16,
         tie_word_embeddings=False,
     )
-    Qwen2ForCausalLM(config).save_pretrained(root)
+    return Qwen2ForCausalLM(config)
+
+
+def build_model_dir(args: argparse.Namespace, root: str) -> str:
+    bench_model(args).save_pretrained(root)
     return root
 
 

@@ -41,6 +41,7 @@ from miles_core.rewards.base import Response
 from miles_core.rewards.hub import batched
 from miles_core.rewards.remote import RemoteRewardUnavailable
 from miles_core.rollout.base import RolloutEngine, SamplingParams
+from miles_core.rollout.speculative import acceptance_metrics
 from miles_core.samples import Sample, sample_id_of
 from miles_core.train.base import Trainer, pack
 
@@ -230,6 +231,7 @@ def generate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, params: Sa
         "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "rollout/tokens_per_s": sum(lengths) / seconds,
         "time/rollout_s": seconds,
+        **acceptance_metrics(groups),
     }
 
 

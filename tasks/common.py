@@ -37,10 +37,11 @@ transformers.utils.logging.disable_progress_bar()  # per-load bars drown the per
 
 @dataclass
 class Policy:
-    """A published policy version: an HF safetensors directory."""
+    """A published policy version: an HF safetensors directory, or with train.lora a LoRA adapter for the base model `base`."""
 
     dir: FlyteDirectory
     version: int
+    base: Optional[FlyteDirectory] = None  # noqa: UP045 (flytekit's type engine) the HF base model an adapter applies to
 
 
 @dataclass
@@ -151,6 +152,11 @@ def stored(local: str, uri: str) -> None:
 
 
 OBJECT_STORE = Transfer(fetch=fetched, store=stored)
+
+
+def base_dir_of(policy: Policy) -> str | None:
+    """The base model of a LoRA policy on this pod's disk (None: the policy holds full weights)."""
+    return policy.base.download() if policy.base is not None else None
 
 
 def uri_of(artifact: FlyteDirectory | FlyteFile) -> str:

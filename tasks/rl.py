@@ -55,9 +55,11 @@ from tasks.common import (
     Policy,
     RolloutResult,
     TrainResult,
+    base_dir_of,
     cache_version,
     fetched,
     new_artifact,
+    stored_dir,
     uploaded_dir,
     uploaded_file,
     uri_of,
@@ -121,7 +123,7 @@ def rollout(
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     shape = {"vocab_size": vocab_size(policy_dir), "group_size": cfg.n_samples}
     waiting = groups_of(read_batch(buffer.download(), scored=True, **shape), cfg.n_samples) if buffer is not None else []
-    engine = make_engine(cfg, policy_dir, policy.version)
+    engine = make_engine(cfg, policy_dir, policy.version, base_dir_of(policy))
     samples, left, metrics = fns.rollout_fn(engine, source, tokenizer, fns, scorer_of(fns, tokenizer), waiting, rollout_seed(cfg, iteration))
     metrics.update(weight_update_metrics(engine))
     inputs = (cfg, reward, uri_of(policy.dir), state, uri_of(buffer) if buffer else "", code)
@@ -193,12 +195,17 @@ def train(
 @resizable_task(**cached(cache_version(PublishConfig, TrainConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("publish"))
 @recoverable
 def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent: Policy, root: str) -> Policy:
-    """Export the checkpoint (any parallel sizes) as the next policy version (HF safetensors + lineage manifest)."""
+    """Export the checkpoint (any parallel sizes) as the next policy version (HF safetensors + lineage manifest); with
+    train.lora the adapter alone, for the base model its parent applies to: the first adapter's parent is the full
+    policy the checkpoint was converted from, each later one's an adapter on that same base."""
     _forked_worker()
     version = parent.version + 1
     out, dest = new_artifact(root, "policy", version, cfg, uri_of(ckpt.dir))
-    export_policy(train_cfg, ckpt.dir.download(), out, cfg, version, parent.version, source=uri_of(ckpt.dir))
-    return Policy(dir=uploaded_dir(out, dest), version=version)
+    base = (parent.base or parent.dir) if train_cfg.lora.rank else None
+    base_dir = base.download() if base is not None else None
+    export_policy(train_cfg, ckpt.dir.download(), out, cfg, version, parent.version, source=uri_of(ckpt.dir), base_dir=base_dir)
+    base = stored_dir(uri_of(base)) if base is not None else None  # passed on as it is stored, not uploaded again
+    return Policy(dir=uploaded_dir(out, dest), version=version, base=base)
 
 
 @task(**cached(cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("evaluate"))
@@ -206,7 +213,7 @@ def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent
 def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: RolloutConfig, policy: Policy, dataset: Dataset, code: str) -> dict[str, float]:
     """Held-out evaluation of a policy version (evaluation.fn, greedy accuracy by default)."""
     policy_dir = policy.dir.download()
-    engine = make_engine(rollout, policy_dir, policy.version, max_batch_sequences=cfg.batch_size)
+    engine = make_engine(rollout, policy_dir, policy.version, base_dir_of(policy), max_batch_sequences=cfg.batch_size)
     fns = bind(rollout=rollout, reward=reward, evaluation=cfg)
     metrics = fns.evaluate_fn(engine, _prompts(dataset.test, data), AutoTokenizer.from_pretrained(policy_dir), fns)
     print(f"evaluate: policy v{policy.version}: held-out accuracy {metrics['eval/accuracy']:.3f}")

@@ -9,6 +9,7 @@ torchrun) and prints one JSON line; tests/*/test_megatron*.py and test_checkpoin
     torchrun ... tests/megatron_worker.py replay ROOT HF CKPT TP EP  the engine's routing replayed (R3)
     python tests/megatron_worker.py uncompat ROOT CKPT          the same path without the CPU layer
     python tests/megatron_worker.py bf16 ROOT OUT               RL steps in bf16 (tests/bf16_runs.py)
+    torchrun --nproc_per_node 2 tests/megatron_worker.py lora ROOT  LoRA at TP 1 and 2: steps, export, PEFT, resume (tests/megatron_lora.py)
 """
 
 from __future__ import annotations
@@ -325,8 +326,10 @@ def uncompat(ckpt: str) -> dict:
 if __name__ == "__main__":
     command, root, *args = sys.argv[1:]
     torch.set_num_threads(1)
-    handlers = {"convert": convert, "step": step, "resume": resume, "loss": loss, "replay": replay, "uncompat": uncompat, "bf16": bf16}
+    from tests.megatron_lora import lora
+
+    handlers = {"convert": convert, "step": step, "resume": resume, "loss": loss, "replay": replay, "uncompat": uncompat, "bf16": bf16, "lora": lora}
     args = [int(a) if a.isdigit() else a for a in args]
-    result = handlers[command](Path(root), *args) if command == "convert" else handlers[command](*args)
+    result = handlers[command](Path(root), *args) if command in ("convert", "lora") else handlers[command](*args)
     if result.get("rank", 0) == 0:
         print("RESULT " + json.dumps(result), flush=True)

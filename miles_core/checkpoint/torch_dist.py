@@ -23,6 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from miles_core.checkpoint.hf_megatron import ArchSpec, export_config, hf_to_megatron, keeps_fp32, megatron_to_hf, read_arch, read_hf_config
+from miles_core.checkpoint.lora_map import is_adapter, peft_adapter
 from miles_core.train.megatron.model import Parallel, build_model, init_parallel
 
 MODEL_DIR = "model"
@@ -44,7 +45,7 @@ def _layer_offset(model) -> int:
     return get_transformer_layer_offset(model.config)
 
 
-def _global_name(model, name: str) -> str:
+def global_name(model, name: str) -> str:
     """This rank's parameter name -> the unsharded model's name (pipeline layer offset, expert index)."""
     from megatron.core import parallel_state
 
@@ -67,7 +68,7 @@ def _tp_group(name: str):
 
 
 def _is_gated_fc1(name: str) -> bool:
-    return name.endswith("linear_fc1.weight")  # every supported architecture uses SwiGLU: [gate; up]
+    return name.endswith(("linear_fc1.weight", "linear_fc1.lora_B"))  # every supported architecture uses SwiGLU: [gate; up]
 
 
 def _shard(name: str, param, full: torch.Tensor) -> torch.Tensor:
@@ -101,25 +102,38 @@ def _source_name(spec: ArchSpec, name: str) -> str:
     return "embedding.word_embeddings.weight" if name == "output_layer.weight" and spec.tied_embeddings else name
 
 
-def _tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """The model's weights: its parameters and the routers' expert biases (buffers that the checkpoint holds)."""
-    return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))]
+def _tensors(model, adapters: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights: its parameters and the routers' expert biases (buffers that the checkpoint holds), or its
+    LoRA adapters (miles_core/train/megatron/lora.py) alone."""
+    weights = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))]
+    return [(n, t) for n, t in weights if is_adapter(n) == adapters]
+
+
+def full_shapes(model, adapters: bool = False) -> dict[str, torch.Size]:
+    """The unsharded shape of each of this rank's weights (or adapters), by unsharded name."""
+    shapes = {}
+    for name, param in _tensors(model, adapters):
+        shape = list(param.shape)
+        if getattr(param, "tensor_model_parallel", False):
+            shape[param.partition_dim] *= dist.get_world_size(_tp_group(name))
+        shapes[global_name(model, name)] = torch.Size(shape)
+    return shapes
 
 
 @torch.no_grad()
-def load_full_state(model, spec: ArchSpec, full: dict[str, torch.Tensor]) -> None:
-    """Copy an unsharded GPTModel state into this rank's shards of `model` (an unwrapped GPTModel)."""
-    for name, param in _tensors(model):
-        param.copy_(_shard(name, param, full[_source_name(spec, _global_name(model, name))]))
+def load_full_state(model, spec: ArchSpec, full: dict[str, torch.Tensor], adapters: bool = False) -> None:
+    """Copy an unsharded GPTModel state (or its adapters) into this rank's shards of `model` (an unwrapped GPTModel)."""
+    for name, param in _tensors(model, adapters):
+        param.copy_(_shard(name, param, full[_source_name(spec, global_name(model, name))]))
 
 
 @torch.no_grad()
-def gather_full_state(model, spec: ArchSpec) -> dict[str, torch.Tensor]:
-    """The unsharded GPTModel state, on every rank (collective over the whole world)."""
+def gather_full_state(model, spec: ArchSpec, adapters: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded GPTModel state (or its adapters), on every rank (collective over the whole world)."""
     mine = {}
-    for name, param in _tensors(model):
+    for name, param in _tensors(model, adapters):
         full = _unshard(name, param)
-        key = _global_name(model, name)
+        key = global_name(model, name)
         if not (key == "output_layer.weight" and spec.tied_embeddings):
             mine[key] = full
     if dist.get_world_size() == 1:
@@ -147,13 +161,16 @@ def load_torch_dist(state: dict, ckpt_dir: str | Path) -> dict:
 
 
 def hf_to_torch_dist(hf_dir: str | Path, ckpt_dir: str | Path, seed: int = 0) -> ArchSpec:
-    """Convert an HF checkpoint to a torch_dist checkpoint (model only) in one process."""
+    """Convert an HF checkpoint to a torch_dist checkpoint (model only) in one process (or in each of a group's, each
+    saving its share)."""
     spec = read_arch(hf_dir)
     init_parallel(Parallel(), seed)
     model = build_model(spec, Parallel())
     load_full_state(model, spec, {k: v.float() for k, v in hf_to_megatron(spec, read_hf_state(hf_dir)).items()})
     save_torch_dist({"model": model.sharded_state_dict()}, ckpt_dir)
-    shutil.copy2(Path(hf_dir) / "config.json", Path(ckpt_dir) / "config.json")
+    if dist.get_rank() == 0:
+        shutil.copy2(Path(hf_dir) / "config.json", Path(ckpt_dir) / "config.json")
+    dist.barrier()
     return spec
 
 
@@ -181,11 +198,37 @@ def torch_dist_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fl
     write_hf(spec, gather_full_state(model, spec), read_hf_config(ckpt_dir), out_dir, dtype)
 
 
+def _unstacked(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A checkpoint tensor by unsharded GPTModel name: a dense model's layers are stacked on a first axis under one key."""
+    head, _, rest = key.partition("decoder.layers.")
+    if not rest or rest.split(".")[0].isdigit():
+        return {key: tensor}
+    return {f"{head}decoder.layers.{i}.{rest}": layer for i, layer in enumerate(tensor.unbind(0))}
+
+
+def read_adapters(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The unsharded LoRA adapters of a checkpoint (by GPTModel name), read without building the model."""
+    from megatron.core import dist_checkpointing
+
+    init_parallel(Parallel(), seed=0)
+    model_dir = str(Path(ckpt_dir) / MODEL_DIR)
+    wanted = {k: v for k, v in dist_checkpointing.load_tensors_metadata(model_dir).items() if is_adapter(k)}
+    if not wanted:
+        raise FileNotFoundError(f"{ckpt_dir}: no LoRA adapters in the checkpoint (trained with train.lora.rank 0)")
+    loaded = dist_checkpointing.load(wanted, model_dir, validate_access_integrity=False)
+    return {name: t for key, stacked in loaded.items() for name, t in _unstacked(key, stacked).items()}
+
+
 class TorchDistCheckpoint:
-    """A torch_dist checkpoint seen as a trainer by `weights.publish` (which asks for `export_hf`)."""
+    """A torch_dist checkpoint seen as a trainer by `weights.publish` (which asks for `export_hf`, or for
+    `adapter_state_dict` when it was trained with LoRA)."""
 
     def __init__(self, ckpt_dir: str | Path):
         self.ckpt_dir = ckpt_dir
 
     def export_hf(self, out_dir: str, dtype: str) -> None:
         torch_dist_to_hf(self.ckpt_dir, out_dir, dtype)
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter under PEFT's names (base_model.model.<HF module>.lora_A/B.weight), unsharded."""
+        return peft_adapter(read_arch(self.ckpt_dir), read_adapters(self.ckpt_dir))

@@ -100,6 +100,7 @@ class RolloutConfig:
     seed: int = 0
     dtype: str = "float32"  # float32 | bfloat16: the embedded torch engine's weights and compute (SGLang servers: sglang.dtype)
     routing_replay: bool = False  # R3: the engine records each token's experts (MoE models), the trainer replays them
+    speculative_tokens: int = 0  # torch engine: tokens the policy's MTP draft head drafts per forward pass (docs/speculative.md); 0 = off
     generate_fn: str = "miles_core.step:generate"  # plug-point: generate(engine, prompts, tokenizer, params)
     # sampling control (DAPO dynamic sampling): keep generating until prompts_per_step groups pass
     # the filter, at most max_rounds rounds; each round asks for over_sample x the missing groups;
@@ -128,6 +129,13 @@ class RolloutConfig:
         _check(self.seed >= 0, "rollout.seed", "must be >= 0")
         _check(self.dtype in ("float32", "bfloat16"), "rollout.dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
         _check(self.memory_gb >= 0, "rollout.memory_gb", f"must be >= 0 (GiB; 0 = sized from the GPUs), got {self.memory_gb}")
+        _check(self.speculative_tokens >= 0, "rollout.speculative_tokens", f"must be >= 0 (0: off), got {self.speculative_tokens}")
+        _check(
+            self.speculative_tokens == 0 or (self.engine == "torch" and not self.routing_replay),
+            "rollout.speculative_tokens",
+            "drafts with the torch engine only (SGLang: its own --speculative-* flags in rollout.sglang.extra_args) and without "
+            "rollout.routing_replay (drafted positions are cropped from the cache)",
+        )
 
     def gpus(self) -> int:
         """GPUs of each rollout and evaluate pod: the SGLang servers it launches on cuda (attached servers and the torch engine: none)."""

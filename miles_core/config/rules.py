@@ -6,7 +6,8 @@ the rules that need two sections, or two settings whose combination is wrong alt
 right: rollout log-probs with IS corrections, over-sampling without dynamic sampling, a backend
 with a parallel size or an engine with a precision it does not read, parallel sizes with the model's shape,
 async phases with what they do not run (a critic, a teacher), QAT without the quantized publish it trains for,
-a GPU type without GPUs, routing replay without experts, distillation alone with what reads the task reward.
+a GPU type without GPUs, routing replay without experts, distillation alone with what reads the task reward,
+LoRA with what it does not run (an async phase, QAT, a quantized publish).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from miles_core.checkpoint import lora_map
 from miles_core.checkpoint.arch import MOE_TP_REASON, megatron_refusal
 from miles_core.config.base import ConfigError
 from miles_core.config.model import DENSE_ARCHS
@@ -53,6 +55,10 @@ def check_parallel_fit(train, shape: dict[str, int], where: str) -> None:
         size = getattr(train, size_key)
         if size > 1 and model_key in shape and shape[model_key] % size:
             raise ConfigError(f"train.{size_key}: must divide {where}{model_key} ({shape[model_key]}): megatron splits it over {size} ranks")
+
+
+def _megatron_lora(c) -> bool:
+    return _megatron(c) and c.train.lora.rank > 0
 
 
 def _tiny_shape(c) -> dict[str, int]:
@@ -113,6 +119,18 @@ RULES: tuple[Rule, ...] = (
         lambda c: c.model.arch not in DENSE_ARCHS,
         lambda c: f"expert parallelism splits MoE experts, and model.arch {c.model.arch!r} has none: use 1 or an MoE arch (e.g. qwen3_moe)",
     ),
+    # LoRA on the megatron backend (miles_core/train/megatron/lora.py); a user's checkpoint is checked when the trainer builds it
+    Rule("train.lora.rank", lambda c: _megatron_lora(c) and not c.model.path, lambda c: c.model.arch in DENSE_ARCHS, lambda c: lora_map.MOE_REASON),
+    Rule("train.lora.trainable", _megatron_lora, lambda c: not c.train.lora.full, lambda c: lora_map.TRAINABLE_REASON),
+    Rule(
+        "train.lora.dropout", lambda c: _megatron_lora(c) and c.train.tensor_parallel > 1, lambda c: not c.train.lora.dropout, lambda c: lora_map.DROPOUT_REASON
+    ),
+    Rule(
+        "train.lora.target_modules",
+        lambda c: _megatron_lora(c) and not c.model.path,
+        lambda c: lora_map.target_refusal(c.train.lora, c.model.num_layers) is None,
+        lambda c: lora_map.target_refusal(c.train.lora, c.model.num_layers),
+    ),
     Rule(
         "async_phase.queue_size",
         _async,
@@ -165,6 +183,30 @@ RULES: tuple[Rule, ...] = (
         lambda c: (
             "the megatron backend does not fake-quantize its projections (megatron-core's linear layers, whose row-parallel input "
             "shards would each need whole groups): use train.backend: torch, or qat: ''"
+        ),
+    ),
+    Rule(
+        "train.lora.rank",
+        lambda c: c.train.lora.rank > 0,
+        lambda c: not _async(c),
+        lambda c: (
+            "an async phase pushes the trainer's full weights into the engines in memory, and a LoRA policy is its adapter "
+            "alone, served over the base: train LoRA with async_phase.schedule: sync, or set rank: 0"
+        ),
+    ),
+    Rule(
+        "train.qat",
+        lambda c: bool(c.train.qat) and c.train.lora.rank > 0,
+        lambda c: False,
+        lambda c: "QAT fake-quantizes the weights the optimizer trains, and with train.lora the base weights are frozen: set qat: '' or lora.rank: 0",
+    ),
+    Rule(
+        "publish.quantization",
+        lambda c: bool(c.publish.quantization) and c.train.lora.rank > 0,
+        lambda c: False,
+        lambda c: (
+            f"a LoRA policy is published as its adapter alone (docs/lora.md), which {c.publish.quantization} does not quantize: "
+            "set quantization: '' or train.lora.rank: 0"
         ),
     ),
     Rule(

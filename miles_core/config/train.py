@@ -69,6 +69,7 @@ class TrainConfig:
     gpus_per_node: int = 0  # GPUs requested by the distributed train task's pods (0 = CPU)
     memory_gb: int = 0  # host memory per train pod, GiB; 0 = 64 per GPU on GPU nodes, else the task's default
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: LoRA adapters instead of full-parameter training
+    mtp_lr: float = 0.0  # > 0: the MTP draft head trains on each step's rollout tokens at this AdamW rate (docs/speculative.md); 0 = off
 
     def __post_init__(self):
         check_finite(self, "train")
@@ -112,6 +113,9 @@ class TrainConfig:
         _check(self.qat in ("", "int4"), "train.qat", f"must be '' (off) or int4, got {self.qat!r}")
         _check(self.qat_group_size in INT4_GROUP_SIZES, "train.qat_group_size", f"must be one of {INT4_GROUP_SIZES}, got {self.qat_group_size}")
         _check(self.qat_group_size == 128 or self.qat == "int4", "train.qat_group_size", "is read by train.qat: int4 only: use 128")
+        _check(self.mtp_lr >= 0, "train.mtp_lr", f"must be >= 0 (0: the draft head is not trained), got {self.mtp_lr}")
+        _check(self.mtp_lr == 0 or self.backend == "torch", "train.mtp_lr", f"the draft head trains on the torch backend only, got backend {self.backend!r}")
+        _check(self.mtp_lr == 0 or self.lora.rank == 0, "train.mtp_lr", "a draft head is not trained or published beside a LoRA adapter: set train.lora.rank 0")
 
 
 @dataclass(frozen=True)

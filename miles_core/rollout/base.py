@@ -66,6 +66,8 @@ class Generation:
     weight_version: the policy version that produced the whole response.
     routed_experts: with routing recorded (rollout.routing_replay), the experts of every position fed to the model
         (prompt and response but its last token), flattened [position, MoE layer, k] (miles_core/routing.py); else empty.
+    drafted_tokens, accepted_tokens: with speculative decoding (rollout.speculative_tokens), the draft tokens proposed
+        for this response and those the policy accepted (rollout/speculative.py); else 0.
     """
 
     tokens: list[int]
@@ -73,6 +75,8 @@ class Generation:
     finish_reason: str
     weight_version: int
     routed_experts: list[int] = field(default_factory=list)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @runtime_checkable

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from miles_core.config import AlgoConfig, PublishConfig, TrainConfig
+from miles_core.config import AlgoConfig, LoraConfig, PublishConfig, TrainConfig
 from miles_core.samples import Sample
 from miles_core.step import StepFns, train_step
 from miles_core.train.base import Trainer
@@ -40,9 +40,10 @@ def make_trainer(cfg: TrainConfig, policy_dir: str) -> Trainer:
     return _backend(cfg).from_hf(policy_dir, cfg)
 
 
-def load_trainer(cfg: TrainConfig, ckpt_dir: str) -> Trainer:
-    """A trainer resumed from the backend's checkpoint (model, optimizer, RNG, step)."""
-    return _backend(cfg).load(ckpt_dir, cfg)
+def load_trainer(cfg: TrainConfig, ckpt_dir: str, base_dir: str | None = None) -> Trainer:
+    """A trainer resumed from the backend's checkpoint (model, optimizer, RNG, step); with train.lora the checkpoint
+    holds the adapter alone, loaded onto the base model of base_dir (the reference policy)."""
+    return _backend(cfg).load(ckpt_dir, cfg, base_dir)
 
 
 def convert_checkpoint(cfg: TrainConfig, algo: AlgoConfig, policy_dir: str, out_dir: Path) -> None:
@@ -60,17 +61,26 @@ def convert_checkpoint(cfg: TrainConfig, algo: AlgoConfig, policy_dir: str, out_
 
 
 def export_policy(
-    cfg: TrainConfig, ckpt_dir: str, out_dir: Path, publish_cfg: PublishConfig, version: int, parent_version: int | None, source: str | None = None
+    cfg: TrainConfig,
+    ckpt_dir: str,
+    out_dir: Path,
+    publish_cfg: PublishConfig,
+    version: int,
+    parent_version: int | None,
+    source: str | None = None,
+    base_dir: str | None = None,
 ) -> dict:
-    """The checkpoint's policy as an HF safetensors directory (publish_cfg's dtype and quantization) with its lineage
-    manifest (naming `source`, else ckpt_dir); returns the manifest."""
+    """The checkpoint's policy as an HF safetensors directory (publish_cfg's dtype and quantization), or with train.lora
+    its adapter alone for the base model of base_dir, with its lineage manifest (naming `source`, else ckpt_dir);
+    returns the manifest."""
     if cfg.backend == "megatron":
         from miles_core.checkpoint.torch_dist import TorchDistCheckpoint  # optional backend: imported where used
 
         trainer = TorchDistCheckpoint(ckpt_dir)
     else:
-        trainer = TorchTrainer.load(ckpt_dir, cfg)
-    return publish(trainer, ckpt_dir, out_dir, publish_cfg.dtype, version, parent_version, source, publish_cfg.fmt)
+        trainer = TorchTrainer.load(ckpt_dir, cfg, base_dir)
+    adapter = (cfg.lora, base_dir) if cfg.lora.rank else None
+    return publish(trainer, ckpt_dir, out_dir, publish_cfg.dtype, version, parent_version, source, publish_cfg.fmt, adapter)
 
 
 def save_checkpoint(trainer: Trainer, critic: Trainer | None, out_dir: Path, tokenizer_dir: str) -> None:
@@ -94,7 +104,7 @@ def train_checkpoint(
 
     Run by every process of the train task: each trains its data-parallel share of the batch.
     """
-    trainer = load_trainer(cfg, ckpt_dir)
+    trainer = load_trainer(cfg, ckpt_dir, reference_dir)
     critic = load_critic(fns.algo, cfg, ckpt_dir)
     reference = make_trainer(cfg, reference_dir) if fns.algo.kl_coef > 0 else None
     metrics = train_step(trainer, samples, fns, AutoTokenizer.from_pretrained(ckpt_dir).pad_token_id, reference, critic, iteration, trace)
@@ -104,7 +114,7 @@ def train_checkpoint(
 
 
 def _critic_cfg(algo: AlgoConfig, cfg: TrainConfig) -> TrainConfig:
-    return dataclasses.replace(cfg, lr=algo.critic_lr, qat="", qat_group_size=128)  # values are not rolled out: no QAT
+    return dataclasses.replace(cfg, lr=algo.critic_lr, qat="", qat_group_size=128, lora=LoraConfig())  # values are not rolled out: no QAT; a full model
 
 
 def new_critic(algo: AlgoConfig, cfg: TrainConfig, policy_dir: str, ckpt_dir) -> None:

@@ -9,7 +9,9 @@ same arithmetic as DDP; every process then holds the same weights, and rank 0 wr
 transformer with a scalar head, HF's *ForTokenClassification), for PPO; its `logprobs` are
 the values V(s_t) of the state before each response token.  A checkpoint is a directory holding the model as HF safetensors
 (`save_pretrained`), `optimizer.pt` and `trainer_state.json` (step, torch RNG state), so a
-resumed run continues bitwise on CPU.  The weights and AdamW state are fp32 whatever train.dtype says; with
+resumed run continues bitwise on CPU.  With train.lora the model carries PEFT's LoRA adapters: the base weights are
+frozen, the optimizer holds the adapters (and train.lora.trainable), and a checkpoint holds the adapter alone
+(weights/adapter.py) where it would hold the model; the base it applies to is the train task's reference policy.  The weights and AdamW state are fp32 whatever train.dtype says; with
 bfloat16 the forward passes run under `torch.autocast` (matrix products in bf16, as HF Trainer's bf16=True), and
 log-probs and entropy are taken in fp32 from the bf16 logits (algos/kl.py).
 """
@@ -26,11 +28,14 @@ import torch.distributed as dist
 from transformers import AutoModelForTokenClassification
 
 from miles_core.algos.kl import entropy_from_logits, token_logprobs
+from miles_core.algos.losses import loss_weights
 from miles_core.config import TrainConfig
 from miles_core.models import load_causal_lm
 from miles_core.routing import RouterTaps
-from miles_core.train.base import LossFn, PackedBatch, TrainerBase
+from miles_core.train.base import LossFn, PackedBatch, TrainerBase, WeightsFn
+from miles_core.train.mtp import MtpTrainer
 from miles_core.train.qat import fake_quantize_forward
+from miles_core.weights.adapter import adapter_state, is_adapter_dir, load_adapter_state, with_adapters, write_adapter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,13 +59,14 @@ def _rows_of(rank: int, world: int, n: int) -> slice:
 class TorchTrainer(TrainerBase):
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, step: int = 0):
         join_process_group()
-        self.model = model.float().train()
+        self.model = with_adapters(model.float().train(), cfg.lora)
         self.cfg = cfg
         self.step = step
         if cfg.qat:  # the forward computes with the int4 weights the published policy holds (train/qat.py)
             fake_quantize_forward(self.model, cfg.qat_group_size)
         self.taps: RouterTaps | None = None  # built on the first batch that carries routing
-        trained = [p for p in self.model.parameters() if p.requires_grad]  # all but a frozen vision tower (load_causal_lm)
+        self.mtp: MtpTrainer | None = None  # the MTP draft head trained beside the policy (train.mtp_lr), attached by from_hf / load
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # all but a frozen vision tower (load_causal_lm) or LoRA's base
         self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 
     @staticmethod
@@ -71,30 +77,56 @@ class TorchTrainer(TrainerBase):
     @classmethod
     def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> TorchTrainer:
         torch.manual_seed(cfg.seed)
-        return cls(cls.load_model(policy_dir), cfg)
+        trainer = cls(cls.load_model(policy_dir), cfg)
+        trainer.mtp = MtpTrainer.for_policy(trainer.model, policy_dir, cfg)
+        return trainer
 
     @classmethod
-    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> TorchTrainer:
+    def load(cls, ckpt_dir: str, cfg: TrainConfig, base_dir: str | None = None) -> TorchTrainer:
+        """The trainer saved in ckpt_dir; a LoRA checkpoint's adapter goes onto the base model of base_dir."""
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text())
-        trainer = cls(cls.load_model(ckpt_dir), cfg, step=state["step"])
+        if is_adapter_dir(ckpt_dir) != bool(cfg.lora.rank):
+            raise ValueError(f"{ckpt_dir}: {'an adapter' if is_adapter_dir(ckpt_dir) else 'a full model'} checkpoint, and train.lora.rank is {cfg.lora.rank}")
+        if cfg.lora.rank and base_dir is None:
+            raise ValueError(f"{ckpt_dir}: a LoRA checkpoint holds the adapter alone: the base model's directory is needed to load it")
+        trainer = cls(cls.load_model(base_dir if cfg.lora.rank else ckpt_dir), cfg, step=state["step"])
+        if cfg.lora.rank:
+            load_adapter_state(trainer.model, ckpt_dir)
         optim_file = Path(ckpt_dir) / "optimizer.pt"
         if optim_file.exists():  # a freshly converted checkpoint has no optimizer state yet
             trainer.optimizer.load_state_dict(torch.load(optim_file, weights_only=True))
+        trainer.mtp = MtpTrainer.for_policy(trainer.model, ckpt_dir, cfg)
         torch.set_rng_state(torch.load(Path(ckpt_dir) / "rng.pt", weights_only=True))
         return trainer
 
     def save(self, ckpt_dir: str) -> None:
         if not self._is_writer():  # data-parallel replicas are identical: one process writes, none races it on the same files
             return
-        self.model.save_pretrained(ckpt_dir, safe_serialization=True)
+        if self.cfg.lora.rank:
+            write_adapter(ckpt_dir, self.adapter_state_dict(), self.cfg.lora, torch.float32)
+        else:
+            self.model.save_pretrained(ckpt_dir, safe_serialization=True)
         if self.step:
             torch.save(self.optimizer.state_dict(), Path(ckpt_dir) / "optimizer.pt")
         torch.save(torch.get_rng_state(), Path(ckpt_dir) / "rng.pt")
+        if self.mtp is not None:
+            self.mtp.save(ckpt_dir)
         (Path(ckpt_dir) / "trainer_state.json").write_text(json.dumps({"step": self.step, "backend": "torch", "parallel": {"world_size": _data_parallel()[1]}}))
 
     def export_hf(self, out_dir: str, dtype: str) -> None:
         state = {k: v.detach().to(_DTYPES[dtype]) for k, v in self.model.state_dict().items()}
         self.model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        if self.mtp is not None:  # published with the policy: the engine drafts with it (rollout.speculative_tokens)
+            self.mtp.export(out_dir)
+
+    def train_on(
+        self, batch: PackedBatch, extras: dict, loss_fn: LossFn, temperature: float, lr: float | None = None, weights_fn: WeightsFn = loss_weights
+    ) -> dict[str, float]:
+        """The policy's update (TrainerBase.train_on), then the draft head's step on the same batch, when it has one."""
+        metrics = super().train_on(batch, extras, loss_fn, temperature, lr, weights_fn)
+        if self.mtp is not None:
+            metrics.update(self.mtp.train_on(self.model, batch))
+        return metrics
 
     def _forward(self, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self._replaying(batch):
@@ -184,6 +216,10 @@ class TorchTrainer(TrainerBase):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter (and train.lora.trainable) under PEFT's key names (weights/adapter.py)."""
+        return adapter_state(self.model)
 
 
 class TorchCritic(TorchTrainer):

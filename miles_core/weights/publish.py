@@ -2,7 +2,9 @@
 
 Any rollout engine (the embedded torch engine, SGLang's update_weights_from_disk) loads it as is.
 `policy.json` records the version, its parent version, the checkpoint it came from and the
-sha256 of its weights, which the tracking step logs as the version's lineage.
+sha256 of its weights, which the tracking step logs as the version's lineage. With train.lora a version is the
+adapter alone in PEFT's format (weights/adapter.py), its manifest naming the format (`adapter`) and the sha256 of
+the base model it applies to (`base_sha256`), which an engine checks before applying it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
+from miles_core.config import LoraConfig
 from miles_core.storage import atomic_dir, sha256_file
+from miles_core.weights.adapter import write_adapter
 from miles_core.weights.check import CheckpointError, json_object
 from miles_core.weights.quantize import quantize_dir
 
@@ -51,25 +57,33 @@ def weights_sha256(policy_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(policy_dir: str | Path, version: int, parent_version: int | None, source: str) -> dict:
+ADAPTER_FORMAT = "peft-lora"
+
+
+def write_manifest(policy_dir: str | Path, version: int, parent_version: int | None, source: str, base_dir: str | None = None) -> dict:
+    """policy.json of the version in policy_dir; an adapter's (base_dir: its base model) names its format and base."""
     manifest = {
         "version": version,
         "parent_version": parent_version,
         "source": source,
         "weights_sha256": weights_sha256(policy_dir),
     }
+    if base_dir is not None:
+        manifest.update(adapter=ADAPTER_FORMAT, base_sha256=weights_sha256(base_dir))
     (Path(policy_dir) / "policy.json").write_text(json.dumps(manifest, indent=2))
     return manifest
 
 
 MANIFEST_KEYS = {"version": (int,), "parent_version": (int, type(None)), "source": (str,), "weights_sha256": (str,)}
+ADAPTER_MANIFEST_KEYS = {"adapter": (str,), "base_sha256": (str,)}  # an adapter's manifest only
 
 
 def read_manifest(policy_dir: str | Path) -> dict:
     """policy.json of a published version, each key checked; CheckpointError naming the file and key."""
     path = Path(policy_dir) / "policy.json"
     manifest = json_object(path, "the policy manifest")
-    for key, kinds in MANIFEST_KEYS.items():
+    keys = {**MANIFEST_KEYS, **(ADAPTER_MANIFEST_KEYS if "adapter" in manifest else {})}
+    for key, kinds in keys.items():
         if key not in manifest:
             raise CheckpointError(f"{path}: key {key} missing")
         if not isinstance(manifest[key], kinds) or isinstance(manifest[key], bool):
@@ -78,14 +92,29 @@ def read_manifest(policy_dir: str | Path) -> dict:
 
 
 def publish(
-    trainer, ckpt_dir: str, out_dir: str | Path, dtype: str, version: int, parent_version: int | None, source: str | None = None, quantization: str = ""
+    trainer,
+    ckpt_dir: str,
+    out_dir: str | Path,
+    dtype: str,
+    version: int,
+    parent_version: int | None,
+    source: str | None = None,
+    quantization: str = "",
+    adapter: tuple[LoraConfig, str] | None = None,
 ) -> dict:
     """Export the trainer's policy to out_dir as version `version` in `dtype`, its linear weights quantized if
-    `quantization` names a format (weights/quantize.py); returns its manifest (its source: `source`, else ckpt_dir)."""
+    `quantization` names a format (weights/quantize.py); returns its manifest (its source: `source`, else ckpt_dir).
+    `adapter` (train.lora, the base model's directory): the version is `trainer.adapter_state_dict()` alone, in PEFT's
+    format, for that base, with the base's config.json (what reads the policy's vocabulary or architecture needs no base)."""
+    lora, base_dir = adapter or (None, None)
     with atomic_dir(out_dir) as tmp:
-        trainer.export_hf(str(tmp), dtype)
+        if lora is not None:
+            write_adapter(tmp, trainer.adapter_state_dict(), lora, getattr(torch, dtype))
+            shutil.copy2(Path(base_dir) / "config.json", tmp / "config.json")
+        else:
+            trainer.export_hf(str(tmp), dtype)
         if quantization:
             quantize_dir(tmp, quantization)
         copy_tokenizer(ckpt_dir, tmp)
-        manifest = write_manifest(tmp, version, parent_version, source=source or str(ckpt_dir))
+        manifest = write_manifest(tmp, version, parent_version, source=source or str(ckpt_dir), base_dir=base_dir)
     return manifest

@@ -19,7 +19,8 @@ from miles_core import tracking
 from miles_core.models.source import checkpoint_digest, read_source
 from miles_core.schemas import read_batch
 from miles_core.storage import sha256_file
-from tests.conftest import REPO, final_policy, run_workflow, workflow_command, workflow_env
+from miles_core.weights.publish import weights_sha256
+from tests.conftest import REPO, decks, final_policy, run_workflow, workflow_command, workflow_env
 
 pytestmark = pytest.mark.flyte
 
@@ -46,6 +47,14 @@ def test_run_trains_and_tracks(smoke_run):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "policies")}
     assert artifacts == {f"policies/v{v:04d}.json" for v in (1, 2, 3, 4)}  # the SFT start and each iteration's
     assert any(a.path.endswith("reward_curve.png") for a in client.list_artifacts(run.info.run_id))
+
+
+def test_each_tasks_decks_are_rendered_once(smoke_run):
+    """A local execution renders every deck so far into each task's deck file: the last train task's holds the batch
+    table of each of the 3 score and 3 train tasks once (a forked train worker used to hand the inherited ones back too,
+    doubling them every iteration)."""
+    _, out = smoke_run
+    assert decks(out.stdout + out.stderr)["train"].count("sample responses:") == 2 * 3
 
 
 def test_every_published_policy_is_a_registered_version_that_loads_back(smoke_run, tmp_path):
@@ -150,3 +159,18 @@ def test_routing_replay_stores_the_rollouts_experts_with_its_batch_and_replays_t
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
     assert run.data.metrics["routing_agreement"] == 1.0 and math.isfinite(run.data.metrics["train_loss"])
+
+
+def test_lora_publishes_the_adapter_alone_and_rolls_it_out_over_the_sft_base(tmp_path):
+    """train.lora.rank=4 through the tasks: every checkpoint and published version holds the adapter alone (PEFT's
+    files, no model weights), each version's manifest names the SFT policy as its base by sha256, and iteration 2's
+    rollout task generates with version 2, the adapter over that base, both its inputs (docs/lora.md)."""
+    root = tmp_path / "runs"
+    run_workflow("recipes/smoke.yaml", root, tmp_path / "home", "iterations=2", "sft.steps=10", "train.lora.rank=4")
+    (sft_policy,) = root.glob("sft/*/")
+    for directory in [*root.glob("checkpoint/*/"), *root.glob("policy/*/")]:
+        assert (directory / "adapter_model.safetensors").is_file() and not list(directory.glob("model*.safetensors")), directory
+    manifests = sorted((json.loads(p.read_text()) for p in root.glob("policy/*/policy.json")), key=lambda m: m["version"])
+    assert [(m["version"], m["adapter"], m["base_sha256"]) for m in manifests] == [(v, "peft-lora", weights_sha256(sft_policy)) for v in (2, 3)]
+    versions = [{s.weight_version for s in read_batch(p)} for p in sorted(root.glob("rollout/*[0-9a-f].parquet"))]
+    assert versions == [{1}, {2}]  # the SFT policy, then the first adapter

@@ -66,16 +66,27 @@ def accuracy(engine: TorchEngine, prompts, fns) -> float:
     return evaluate(engine, prompts, AutoTokenizer.from_pretrained(engine.policy_dir), fns)["eval/accuracy"]
 
 
-def test_distillation_alone_lifts_the_students_held_out_accuracy_toward_the_teachers(tmp_path):
-    demonstrations_of = {}  # the train problems' demonstrations when each carry is dropped with probability 1, 0.6 and 0
-    for carry_error in (1.0, 0.6, 0.0):
+def problems(tmp_path, carry_errors: tuple[float, ...]) -> tuple[dict, list]:
+    """({carry error: the train problems' demonstrations when each carry is dropped with that probability}, the
+    held-out problems: the same for each, the split depends on the seed only)."""
+    demonstrations_of = {}
+    for carry_error in carry_errors:
         train, test = make_problem_set(DataConfig(digits=2, train_size=4000, test_size=128, teacher_carry_error=carry_error))
         write_jsonl(train, tmp_path / f"train-{carry_error}.jsonl")
-        write_jsonl(test, tmp_path / "test.jsonl")  # the same held-out problems each time: the split depends on the seed only
+        write_jsonl(test, tmp_path / "test.jsonl")
         demonstrations_of[carry_error] = load_prompts(tmp_path / f"train-{carry_error}.jsonl")
-    held_out = load_prompts(tmp_path / "test.jsonl")
+    return demonstrations_of, load_prompts(tmp_path / "test.jsonl")
+
+
+def student(tmp_path, demonstrations_of: dict) -> tuple[str, str]:
+    """(the SFT start on demonstrations that drop every carry, the student: it after a little on those that drop 60%)."""
     start = sft(build_tiny_model(STUDENT, str(tmp_path / "base")), str(tmp_path / "start"), demonstrations_of[1.0], steps=400, lr=0.005)
-    student_dir = sft(start, str(tmp_path / "student"), demonstrations_of[0.6], steps=100, lr=0.002)
+    return start, sft(start, str(tmp_path / "student"), demonstrations_of[0.6], steps=100, lr=0.002)
+
+
+def test_distillation_alone_lifts_the_students_held_out_accuracy_toward_the_teachers(tmp_path):
+    demonstrations_of, held_out = problems(tmp_path, (1.0, 0.6, 0.0))
+    start, student_dir = student(tmp_path, demonstrations_of)
     teacher_dir = sft(grown(start, str(tmp_path / "grown"), TEACHER_LAYERS), str(tmp_path / "teacher"), demonstrations_of[0.0], steps=200, lr=0.002)
 
     rollout = RolloutConfig(prompts_per_step=256, n_samples=4, max_new_tokens=4)

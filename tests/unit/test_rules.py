@@ -3,6 +3,8 @@ path and the recipe file, and accepts the same recipe once the named fix is appl
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from miles_core.config import AlgoConfig, ConfigError, RunConfig, load_recipe
@@ -11,6 +13,7 @@ from miles_core.config.rules import PARALLEL_SPLITS, RULES
 MEGATRON = {"train.backend": "megatron"}
 ASYNC = {"async_phase.schedule": "async"}
 TEACHER = {"distill.teacher": "s3://models/teacher"}
+LORA = {"train.lora.rank": 8}
 
 # (id, overrides that break the rule, the error it must give, overrides on top that satisfy it)
 CASES = [
@@ -81,6 +84,30 @@ CASES = [
         {"model.num_experts": 4},
     ),
     (
+        "lora_megatron_moe",
+        {**MEGATRON, **LORA, "model.arch": "qwen3_moe"},
+        "train.lora.rank: the megatron backend adapts dense GQA layers only",
+        {"model.arch": "qwen3"},
+    ),
+    (
+        "lora_megatron_trainable",
+        {**MEGATRON, **LORA, "train.lora.trainable": "lm_head"},
+        "train.lora.trainable: the megatron backend trains the adapters only",
+        {"train.lora.trainable": ""},
+    ),
+    (
+        "lora_megatron_dropout_tp",
+        {**MEGATRON, **LORA, "train.lora.dropout": 0.1, "train.tensor_parallel": 2},
+        "train.lora.dropout: at tensor_parallel > 1 the megatron backend's adapters take no dropout",
+        {"train.lora.dropout": 0.0},
+    ),
+    (
+        "lora_megatron_fused",
+        {**MEGATRON, **LORA, "train.lora.target_modules": "q_proj,v_proj"},
+        "train.lora.target_modules: q_proj, k_proj and v_proj are one fused linear on the megatron backend, with one adapter",
+        {"train.lora.target_modules": "q_proj,k_proj,v_proj"},
+    ),
+    (
         "async_queue",
         {**ASYNC, "async_phase.queue_size": 16},
         "async_phase.queue_size: must be >= rollout.prompts_per_step (32)",
@@ -141,6 +168,19 @@ CASES = [
         {**ASYNC, "cluster.async_timeout_min": 10},
         "async_phase.take_timeout_s: must be below cluster.async_timeout_min (10 min)",
         {"async_phase.take_timeout_s": 300.0},
+    ),
+    ("lora_async", {**ASYNC, "train.lora.rank": 4}, "train.lora.rank: an async phase pushes the trainer's full weights", {"async_phase.schedule": "sync"}),
+    (
+        "lora_qat",
+        {"train.lora.rank": 4, "train.qat": "int4", "publish.quantization": "int4"},
+        "train.qat: QAT fake-quantizes the weights the optimizer trains, and with train.lora",
+        {"train.lora.rank": 0},
+    ),
+    (
+        "lora_quantized_publish",
+        {"train.lora.rank": 4, "publish.quantization": "fp8"},
+        "publish.quantization: a LoRA policy is published as its adapter alone",
+        {"publish.quantization": ""},
     ),
     (
         "distill_async",
@@ -205,3 +245,23 @@ def test_a_checkpoint_path_defers_the_shape_rules_to_its_admission(tmp_path):
 def test_rules_also_hold_for_configs_built_in_code():
     with pytest.raises(ConfigError, match="algo.use_rollout_logprobs: with algo.is_correction: mis"):
         RunConfig(algo=AlgoConfig(use_rollout_logprobs=True, is_correction="mis"))
+
+
+@pytest.mark.parametrize(
+    "targets, words",
+    [
+        ("gate_proj,o_proj", "gate_proj and up_proj are one fused linear on the megatron backend"),
+        ("q_proj,k_proj,v_proj,lm_head", "lm_head: not a projection the megatron backend adapts"),
+        (r"re:.*layers\.0\..*", "must adapt the same projections in every layer on the megatron backend"),
+        ("re:.*embed.*", "adapts no projection of the model"),
+        ("all-linear", None),
+        (r"re:.*mlp\..*_proj", None),
+    ],
+)
+def test_megatron_lora_targets_whole_fused_projections_in_every_layer(tmp_path, targets, words):
+    overrides = {**MEGATRON, **LORA, "train.lora.target_modules": targets}
+    if words is None:
+        assert load_recipe(recipe(tmp_path), overrides).train.lora.rank == 8
+        return
+    with pytest.raises(ConfigError, match=f"train.lora.target_modules: {re.escape(words)}"):
+        load_recipe(recipe(tmp_path), overrides)

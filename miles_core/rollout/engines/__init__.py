@@ -14,17 +14,25 @@ from miles_core.config import RolloutConfig
 from miles_core.rollout.base import RolloutEngine
 
 
-def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, **torch_options) -> RolloutEngine:
-    """An engine serving `policy_dir` as `version`; torch_options (max_batch_sequences,
-    num_threads) tune the embedded engine and are ignored by servers that batch for themselves."""
+def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, base_dir: str | None = None, **torch_options) -> RolloutEngine:
+    """An engine serving `policy_dir` as `version` (a LoRA adapter: over the base model of `base_dir`); torch_options
+    (max_batch_sequences, num_threads) tune the embedded engine and are ignored by servers that batch for themselves."""
     if cfg.engine == "sglang":
         # imported only for this engine: it brings the HTTP client and the server launcher
         from miles_core.rollout.engines.sglang import shared_engine
 
-        return shared_engine(cfg.sglang, policy_dir, version, cfg.routing_replay)
+        return shared_engine(cfg.sglang, policy_dir, version, cfg.routing_replay, base_dir)
     from miles_core.rollout.engines.torch_engine import TorchEngine
 
-    return TorchEngine(policy_dir, version, dtype=getattr(torch, cfg.dtype), record_routing=cfg.routing_replay, **torch_options)
+    return TorchEngine(
+        policy_dir,
+        version,
+        dtype=getattr(torch, cfg.dtype),
+        record_routing=cfg.routing_replay,
+        base_dir=base_dir,
+        speculative_tokens=cfg.speculative_tokens,
+        **torch_options,
+    )
 
 
 def weight_update_metrics(engine: RolloutEngine) -> dict[str, float]:

@@ -20,8 +20,11 @@ tensors from this process over a process group (miles_core/weights/sync.py);
 `update_weights_from_tensors` broadcasts a trainer's in-memory tensors the same way. Each
 update runs pause -> begin -> update -> end -> flush -> continue; its duration is
 `last_update_metrics` (rollout/weight_update_s and the version it published).
+A LoRA policy (an adapter directory, weights/adapter.py) is served unmerged: the servers run the base model with
+`--enable-lora` (the adapter's rank and target modules), each version's adapter is loaded by `/load_lora_adapter` under
+the name `v<version>`, every `/generate` names it as `lora_path`, and the previous version's adapter is unloaded.
 A launched server that dies is restarted (at most max_restarts times) with the last published
-directory and the failed call is sent again; an attached one that stops answering is dropped
+directory (an adapter: the base, then the adapter) and the failed call is sent again; an attached one that stops answering is dropped
 while others remain; every HTTP call has a timeout.
 """
 
@@ -45,17 +48,23 @@ from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, Samp
 from miles_core.rollout.engines.sglang_server import ServerUnreachable, SGLangError, SGLangServer, address_toward, free_port
 from miles_core.routing import moe_layer_ids, moe_sizes
 from miles_core.weights import sync
-from miles_core.weights.check import check_hf_dir
+from miles_core.weights.adapter import ADAPTER_CONFIG, is_adapter_dir
+from miles_core.weights.check import check_hf_dir, json_object
 
 log = logging.getLogger(__name__)
 MAX_RESUBMITS = 4  # a sequence aborted by this many consecutive weight updates is an error
 
 
 class SGLangEngine:
-    def __init__(self, cfg: SGLangConfig, policy_dir: str, version: int = 0, record_routing: bool = False):
+    def __init__(self, cfg: SGLangConfig, policy_dir: str, version: int = 0, record_routing: bool = False, base_dir: str | None = None):
         self.routing = _routing_layout(policy_dir) if record_routing else None  # (MoE layer ids, decoder layers, k)
         if record_routing:  # the servers capture each token's experts (R3); attached ones must have been launched so
             cfg = dataclasses.replace(cfg, extra_args=f"{cfg.extra_args} --enable-return-routed-experts")
+        self.adapter: tuple[str, int] | None = None  # (name, version) of the LoRA adapter every /generate names
+        self.model_dir = policy_dir  # what the servers load at launch: the policy, or a LoRA policy's base
+        if is_adapter_dir(policy_dir):  # attached servers must have been launched with --enable-lora alike
+            cfg = dataclasses.replace(cfg, extra_args=f"{cfg.extra_args} {' '.join(lora_launch_args(policy_dir, cfg.device))}")
+            self.model_dir = _required_base(policy_dir, base_dir)
         self.cfg = cfg
         self.policy_dir, self.weight_version = policy_dir, version
         self.last_update_metrics: dict[str, float] = {}
@@ -68,11 +77,16 @@ class SGLangEngine:
             if urls:
                 self.servers = list(pool.map(lambda u: SGLangServer.attach(u, cfg), urls))
             else:
-                self.servers = list(pool.map(lambda slot: SGLangServer.launch(cfg, policy_dir, version, slot), range(cfg.num_servers)))
-        if urls:  # attached servers hold whatever they hold: publish the requested version
+                self.servers = list(pool.map(lambda slot: SGLangServer.launch(cfg, self.model_dir, version, slot), range(cfg.num_servers)))
+        if urls or self.model_dir != policy_dir:  # attached servers hold whatever they hold; a LoRA policy's adapter is loaded now
             self.weight_version = None
             self.load_weights(policy_dir, version)
         self._pool = ThreadPoolExecutor(cfg.max_concurrency * len(self.servers))
+
+    @property
+    def serves_adapters(self) -> bool:
+        """The servers run a LoRA policy's base model and serve its versions as adapters."""
+        return self.model_dir != self.policy_dir
 
     @property
     def in_flight(self) -> int:
@@ -111,11 +125,15 @@ class SGLangEngine:
             "return_logprob": True,
             "return_routed_experts": self.routing is not None,
         }
+        adapter = self.adapter
+        if adapter is not None:
+            payload["lora_path"] = [adapter[0]] * len(chunk)
         answers = self._call_any("/generate", payload)
-        return [self._to_generation(answer) for answer in answers]
+        return [self._to_generation(answer, adapter[1] if adapter else None) for answer in answers]
 
-    def _to_generation(self, answer: dict) -> Generation | None:
-        """One /generate answer -> Generation, or None when it must be generated again."""
+    def _to_generation(self, answer: dict, adapter_version: int | None = None) -> Generation | None:
+        """One /generate answer -> Generation, or None when it must be generated again; with a LoRA adapter, its version
+        is the adapter's the request named (the server's own weight version is its base's)."""
         meta = answer["meta_info"]
         finish = (meta.get("finish_reason") or {}).get("type")
         if finish == "abort" or len(meta.get("weight_versions") or [None]) > 1:
@@ -125,7 +143,8 @@ class SGLangEngine:
         if len(logprobs) != len(tokens):
             raise SGLangError(f"/generate returned {len(tokens)} tokens but {len(logprobs)} log-probs")
         finish = FINISH_STOP if finish == "stop" else FINISH_LENGTH
-        return Generation(tokens, logprobs, finish, _version(meta, self.weight_version), self._routed_experts(meta))
+        version = adapter_version if adapter_version is not None else _version(meta, self.weight_version)
+        return Generation(tokens, logprobs, finish, version, self._routed_experts(meta))
 
     def _routed_experts(self, meta: dict) -> list[int]:
         """SGLang's record (base64 int32 [positions fed, every decoder layer, k]) in miles_core/routing.py's layout."""
@@ -169,13 +188,18 @@ class SGLangEngine:
                     f"{err}; {'attached servers are not restarted' if not server.launched else f'gave up after {server.restarts} restarts'}"
                 ) from None
             log.warning("%s; restarting", err)
-            server.restart(self.policy_dir, self.weight_version)
+            server.restart(self.model_dir, self.weight_version)
+            if self.adapter is not None:
+                server.post("/load_lora_adapter", {"lora_name": self.adapter[0], "lora_path": str(self.policy_dir)})
 
     # ---- weights ----------------------------------------------------------------------------
 
     def load_weights(self, policy_dir: str, version: int) -> None:
         """Publish an HF weight directory into every server as `version` (no-op if already served)."""
         if (policy_dir, version) == (self.policy_dir, self.weight_version):
+            return
+        if self.serves_adapters or is_adapter_dir(policy_dir):
+            self._swap_adapter(policy_dir, version)
             return
         check_hf_dir(policy_dir, tokenizer=False)  # refused here, not half-applied across the servers
         if self.cfg.weight_sync == "disk":
@@ -184,6 +208,22 @@ class SGLangEngine:
         else:
             self._update(lambda: self._broadcast(_read_tensors(policy_dir), version), "distributed", version)
         self.policy_dir, self.weight_version = policy_dir, version
+
+    def _swap_adapter(self, adapter_dir: str, version: int) -> None:
+        """The LoRA adapter of `adapter_dir` loaded into every server as `v<version>`, named by every later /generate,
+        and the previous version's adapter unloaded (SGLang finishes the requests that name it first)."""
+        if not (is_adapter_dir(adapter_dir) and self.serves_adapters):
+            raise SGLangError(
+                f"{adapter_dir}: {'a LoRA adapter' if is_adapter_dir(adapter_dir) else 'full weights'}, and these servers were launched for "
+                f"{'a LoRA policy: its base with adapters' if self.serves_adapters else 'full weights'}"
+            )
+        started, previous, name = time.perf_counter(), self.adapter, f"v{version}"
+        with self._lock:
+            self._on_all("/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)})
+            self.adapter, self.policy_dir, self.weight_version = (name, version), adapter_dir, version
+            if previous is not None and previous[0] != name:
+                self._on_all("/unload_lora_adapter", {"lora_name": previous[0]})
+        self.last_update_metrics = {"rollout/weight_update_s": time.perf_counter() - started, "rollout/weight_update_version": float(version)}
 
     def update_weights_from_tensors(self, named_tensors, version: int) -> None:
         """Broadcast in-memory HF-named tensors (e.g. a trainer's state_dict) as `version`."""
@@ -322,12 +362,31 @@ def _routing_layout(policy_dir: str) -> tuple[list[int], int, int]:
     return layers, config.num_hidden_layers, moe_sizes(config)[1]
 
 
-def shared_engine(cfg: SGLangConfig, policy_dir: str, version: int, record_routing: bool = False) -> SGLangEngine:
-    """The engine of this process for `cfg`, started on first use, serving `version` on return."""
+def lora_launch_args(adapter_dir: str, device: str) -> list[str]:
+    """The launch_server arguments that serve the LoRA adapter of `adapter_dir` (and later versions of it); on CPU with
+    SGLang's pure-torch LoRA backend (its default one is a Triton kernel)."""
+    config = json_object(Path(adapter_dir) / ADAPTER_CONFIG, "the LoRA adapter's config")
+    backend = ["--lora-backend", "torch_native"] if device == "cpu" else []
+    return ["--enable-lora", "--max-lora-rank", str(config["r"]), "--lora-target-modules", *sorted(config["target_modules"]), *backend]
+
+
+def _required_base(adapter_dir: str, base_dir: str | None) -> str:
+    if base_dir is None:
+        raise SGLangError(f"{adapter_dir}: a LoRA adapter: the servers need its base model's directory (base_dir)")
+    check_hf_dir(base_dir, tokenizer=False)
+    return base_dir
+
+
+def shared_engine(cfg: SGLangConfig, policy_dir: str, version: int, record_routing: bool = False, base_dir: str | None = None) -> SGLangEngine:
+    """The engine of this process for `cfg`, started on first use, serving `version` on return (a LoRA adapter over the
+    base model of `base_dir`)."""
     key = f"{config_hash(cfg)}-{record_routing}"
     engine = _SHARED.get(key)
+    if engine is not None and engine.serves_adapters != is_adapter_dir(policy_dir):  # the first adapter of a LoRA run: its
+        _SHARED.pop(key).close()  # servers run the base with --enable-lora, launched anew (a pod's GPUs hold one set)
+        engine = None
     if engine is None:
-        engine = _SHARED[key] = SGLangEngine(cfg, policy_dir, version, record_routing)
+        engine = _SHARED[key] = SGLangEngine(cfg, policy_dir, version, record_routing, base_dir)
     else:
         engine.load_weights(policy_dir, version)
     return engine

@@ -196,13 +196,18 @@ def _sequence_parallel_norms(part):
     return part
 
 
-def layer_spec(spec: ArchSpec, config):
+def layer_spec(spec: ArchSpec, config, lora=None):
     """This pipeline stage's layers on the local (no TransformerEngine) spec, dense and MoE layers each as the config
-    says, with norm.py's norm and our own parts where a family needs them."""
+    says, with norm.py's norm and our own parts where a family needs them; LoRA adapters (lora.py) where `lora` targets."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = _sequence_parallel_norms(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"))
-    return replace(block, layer_specs=[_adapted(spec, layer) for layer in block.layer_specs])
+    layers = [_adapted(spec, layer) for layer in block.layer_specs]
+    if lora is not None:
+        from miles_core.train.megatron.lora import with_adapters
+
+        layers = [with_adapters(layer, lora) for layer in layers]
+    return replace(block, layer_specs=layers)
 
 
 def rotary_options(spec: ArchSpec) -> dict:

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from miles_core.checkpoint import lora_map
 from miles_core.checkpoint.arch import ArchSpec
+from miles_core.config.base import ConfigError
 from miles_core.train.megatron import arch_config, cpu_compat
 
 
@@ -65,15 +67,20 @@ def init_parallel(parallel: Parallel, seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_model(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype = torch.float32):
-    """This rank's GPTModel stage (local layer spec, rotary positions, vocabulary padded for TP)."""
+def build_model(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype = torch.float32, lora=None):
+    """This rank's GPTModel stage (local layer spec, rotary positions, vocabulary padded for TP); with `lora` (a
+    LoraConfig of rank > 0) its targeted linears carry adapters and every other weight is frozen (lora.py)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    if lora is not None:
+        refusal = lora_map.megatron_refusal(lora, spec, parallel.tensor)
+        if refusal:
+            raise ConfigError(f"{refusal[0]}: {refusal[1]}")
     config = arch_config.transformer_config(spec, parallel, dtype)
-    return GPTModel(
+    model = GPTModel(
         config,
-        arch_config.layer_spec(spec, config),
+        arch_config.layer_spec(spec, config, lora),
         vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_positions,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -81,6 +88,11 @@ def build_model(spec: ArchSpec, parallel: Parallel, dtype: torch.dtype = torch.f
         share_embeddings_and_output_weights=spec.tied_embeddings,
         **arch_config.rotary_options(spec),
     )
+    if lora is not None:
+        from miles_core.train.megatron.lora import freeze_base
+
+        freeze_base(model)
+    return model
 
 
 def wrap_ddp(model, bucket_size: int | None = None):

@@ -24,9 +24,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from miles_core.checkpoint import torch_dist
+from miles_core.checkpoint import lora_map, torch_dist
 from miles_core.checkpoint.hf_megatron import ArchSpec, arch_spec, hf_to_megatron, megatron_to_hf, read_hf_config
 from miles_core.config import TrainConfig
+from miles_core.config.base import ConfigError
 from miles_core.train.base import LossFn, PackedBatch, TrainerBase
 from miles_core.train.megatron import logits as vocab
 from miles_core.train.megatron.model import Parallel, build_model, build_optimizer, init_parallel, wrap_ddp
@@ -49,6 +50,16 @@ def _distributed_optimizers(optimizer) -> list:
     return getattr(optimizer, "chained_optimizers", [optimizer])
 
 
+def _adapters_only(ckpt_dir: str, state: dict, cfg: TrainConfig, base_dir: str | None) -> bool:
+    """Whether the checkpoint holds LoRA adapters only (then its base comes from base_dir); refuses a mismatch."""
+    saved = state.get("lora_rank", 0)
+    if saved and saved != cfg.lora.rank:
+        raise ConfigError(f"train.lora.rank: {ckpt_dir} holds adapters of rank {saved}, the recipe asks for {cfg.lora.rank}")
+    if saved and base_dir is None:
+        raise ValueError(f"{ckpt_dir}: holds LoRA adapters only (train.lora.rank {saved}): load it with the base model's HF directory")
+    return bool(saved)
+
+
 def parallel_of(cfg: TrainConfig) -> Parallel:
     return Parallel(tensor=cfg.tensor_parallel, pipeline=cfg.pipeline_parallel, expert=cfg.expert_parallel)
 
@@ -69,7 +80,12 @@ class MegatronTrainer(TrainerBase):
     def _build(cls, spec: ArchSpec, cfg: TrainConfig):
         init_parallel(parallel_of(cfg), cfg.seed)
         torch.manual_seed(cfg.seed)
-        return build_model(spec, parallel_of(cfg), _DTYPES[cfg.dtype])
+        model = build_model(spec, parallel_of(cfg), _DTYPES[cfg.dtype], cfg.lora if cfg.lora.rank else None)
+        if cfg.lora.rank:  # fresh adapters; a checkpoint that holds adapters overwrites them
+            from miles_core.train.megatron.lora import init_adapters  # megatron-core's own classes: imported where used
+
+            init_adapters(model, spec, cfg.seed)
+        return model
 
     @classmethod
     def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> MegatronTrainer:
@@ -80,17 +96,21 @@ class MegatronTrainer(TrainerBase):
         return cls(model, hf_config, cfg)
 
     @classmethod
-    def load(cls, ckpt_dir: str, cfg: TrainConfig) -> MegatronTrainer:
-        """A torch_dist checkpoint at any parallel sizes; optimizer state when it has one."""
+    def load(cls, ckpt_dir: str, cfg: TrainConfig, base_dir: str | None = None) -> MegatronTrainer:
+        """A torch_dist checkpoint at any parallel sizes; optimizer state when it has one.  A checkpoint trained with
+        LoRA holds the adapters only: its frozen base model comes from `base_dir` (the HF policy it was trained from).
+        With train.lora.rank > 0 a whole model's checkpoint (the converted policy) is the base of fresh adapters."""
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text()) if (Path(ckpt_dir) / "trainer_state.json").exists() else {"step": 0}
         hf_config = read_hf_config(ckpt_dir)
-        trainer = cls(cls._build(arch_spec(hf_config), cfg), hf_config, cfg, step=state["step"])
-        model_state = trainer.ddp.module.sharded_state_dict()
+        adapters_only = _adapters_only(ckpt_dir, state, cfg, base_dir)
+        trainer = cls.from_hf(base_dir, cfg) if adapters_only else cls(cls._build(arch_spec(hf_config), cfg), hf_config, cfg)
+        trainer.step = state["step"]
+        model_state = {k: v for k, v in trainer.ddp.module.sharded_state_dict().items() if lora_map.is_adapter(k) == adapters_only}
         wanted = {"model": model_state}
         same_layout = {k: v for k, v in state.get("parallel", {}).items() if k != "world_size"} == parallel_of(cfg).__dict__
         if state["step"] and not same_layout:
             logger.warning("%s: saved at parallel sizes %s, loading at %s: optimizer state starts afresh", ckpt_dir, state.get("parallel"), parallel_of(cfg))
-        if state["step"] and same_layout:
+        if state["step"] and same_layout and adapters_only == bool(cfg.lora.rank):
             # torch's Adam creates its state (step, moments) lazily; the loaded state is copied into it
             for optimizer in _distributed_optimizers(trainer.optimizer):
                 optimizer._init_optimizer_states_with_dummy_values()
@@ -111,7 +131,8 @@ class MegatronTrainer(TrainerBase):
         return trainer
 
     def save(self, ckpt_dir: str) -> None:
-        model_state = self.ddp.module.sharded_state_dict()
+        """Model (with LoRA: the adapters only, the base being frozen), optimizer state, RNG, step and parallel sizes."""
+        model_state = {k: v for k, v in self.ddp.module.sharded_state_dict().items() if lora_map.is_adapter(k) or not self.cfg.lora.rank}
         state = {"model": model_state}
         if self.step:
             state["optimizer"] = self.optimizer.sharded_state_dict(model_state, metadata=_OPTIMIZER_FORMAT)
@@ -120,19 +141,32 @@ class MegatronTrainer(TrainerBase):
         torch.save(torch.get_rng_state(), Path(ckpt_dir) / "rng" / f"rank_{dist.get_rank():05d}.pt")
         if dist.get_rank() == 0:
             parallel = parallel_of(self.cfg).__dict__ | {"world_size": dist.get_world_size()}
-            (Path(ckpt_dir) / "trainer_state.json").write_text(json.dumps({"step": self.step, "backend": "megatron", "parallel": parallel}))
+            trainer_state = {"step": self.step, "backend": "megatron", "parallel": parallel, "lora_rank": self.cfg.lora.rank}
+            (Path(ckpt_dir) / "trainer_state.json").write_text(json.dumps(trainer_state))
             (Path(ckpt_dir) / "config.json").write_text(json.dumps(self.hf_config, indent=2))
         dist.barrier()
 
-    def export_hf(self, out_dir: str, dtype: str) -> None:
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """The unsharded model; with LoRA, each adapted weight merged with its adapter (what the model computes)."""
         full = torch_dist.gather_full_state(self.ddp.module, self.spec)
+        if not self.cfg.lora.rank:
+            return full
+        adapters = torch_dist.gather_full_state(self.ddp.module, self.spec, adapters=True)
+        return lora_map.merged(full, adapters, self.cfg.lora.alpha / self.cfg.lora.rank)
+
+    def export_hf(self, out_dir: str, dtype: str) -> None:
+        full = self._full_state()
         if dist.get_rank() == 0:
             torch_dist.write_hf(self.spec, full, self.hf_config, out_dir, dtype)
         dist.barrier()
 
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter under PEFT's names, unsharded, on every rank (collective), as TorchDistCheckpoint's."""
+        return lora_map.peft_adapter(self.spec, torch_dist.gather_full_state(self.ddp.module, self.spec, adapters=True))
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (gathered) weights under HF names; a tied output layer appears under both of its HF names."""
-        hf = megatron_to_hf(self.spec, torch_dist.gather_full_state(self.ddp.module, self.spec))
+        """The full (gathered) weights under HF names (LoRA merged); a tied output layer appears under both of its HF names."""
+        hf = megatron_to_hf(self.spec, self._full_state())
         if self.spec.tied_embeddings and "lm_head.weight" not in hf:
             hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
         return hf
