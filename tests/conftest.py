@@ -22,8 +22,11 @@ LONGEST_FIRST = (
     "tests/integration/test_sglang.py",
     "tests/flyte/test_run.py",
     "tests/flyte/test_async_run.py",
+    "tests/flyte/test_replay.py",
+    "tests/flyte/test_debug_modes.py",
     "tests/flyte/test_distill.py",
     "tests/integration/test_distill_learning.py",
+    "tests/integration/test_lora_learning.py",
 )
 
 
