@@ -9,7 +9,7 @@ UI_PORT ?= 5000
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test test-fast test-twins test-sglang-families ui bench clean sglang-env lock
+.PHONY: setup run test test-fast test-twins test-slow test-sglang-families ui bench clean sglang-env lock
 
 setup: $(STAMP)
 
@@ -27,15 +27,16 @@ $(STAMP): pyproject.toml requirements.lock
 run: setup
 	cfg="$$($(PY) -m miles_core.config $(RECIPE) $(ARGS))" && $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
 
-# Two test processes (pytest-xdist), each taking whole files so a file's shared runs happen once. Torch keeps
-# its default threads: the learning tier's runs are deterministic for a thread count, and the megatron run
-# of tests/flyte/test_learning.py learns less at one thread (+8.6 points, under its margin) than at two.
-# With two workers and their subprocesses sharing 2 cores, OpenMP threads that wait sleep instead of spinning
-# (OMP_WAIT_POLICY=PASSIVE): the same numbers, bit for bit, without the spinning threads taking the other's core.
+# Three test processes (pytest-xdist) on 2 cores, each taking whole files so a file's shared runs happen once: with two,
+# the cores idled ~17% of the time while tests waited on their subprocesses and servers. Torch keeps its default
+# threads: the learning tier's runs are deterministic for a thread count, and the megatron run of
+# tests/flyte/test_learning.py learns less at one thread (+8.6 points, under its margin) than at two. With workers and
+# their subprocesses sharing the cores, OpenMP threads that wait sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE):
+# the same numbers, bit for bit, without the spinning threads taking another's core.
 test: setup sglang-env
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 3 --dist loadfile --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not flyte and not integration"
@@ -43,6 +44,12 @@ test-fast: setup
 # The slower tier: every real-size recipe's tiny twin (recipes/tiny/) through a real pyflyte run on CPU.
 test-twins: setup
 	$(PY) -m pytest -q -m twins tests/flyte/test_twins.py
+
+# The slower tier kept out of `make test` for its 30 minutes here (together about 12 minutes on 2 cores): each algorithm
+# family's recipe through a real pyflyte run at smoke size (their arithmetic is in tests/unit/test_algos*.py), and
+# megatron-core at TP/PP/EP sizes with resharding and each MLA/MoE family's step (tests/integration/test_megatron_parallel.py).
+test-slow: setup
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile -m "algorithm_families or megatron_parallel" tests/flyte/test_families.py tests/integration/test_megatron_parallel.py
 
 # The slower tier: every model family at tiny size launched in the real SGLang server on CPU (one launch each).
 test-sglang-families: setup sglang-env

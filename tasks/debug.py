@@ -45,10 +45,9 @@ def train_outputs(samples: list[Sample], tokenizer_dir: str, trace: dict, metric
 def _own_decks_only() -> None:
     """In a forked Elastic worker, forget the decks inherited from the process that forked it.
 
-    A local execution keeps one deck list for all its tasks, a forked worker inherits a copy, and flytekit's Elastic
-    plugin (1.16) appends every deck rank 0 returns to the parent's list again: each train task would double the decks
-    of every task before it (memory and deck files growing as 2 ** iterations). The worker's copy is cleared so it
-    returns only the decks it makes; on a cluster the pod's list starts empty and this changes nothing.
+    A forked worker starts with a copy of its parent's deck list, and flytekit's Elastic plugin (1.16) appends every deck
+    rank 0 returns to the parent's list: inherited decks would come back to the parent a second time. The worker's copy
+    is cleared so it returns only the decks it makes; on a cluster the pod's list starts empty and this changes nothing.
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torch's elastic agent in its workers
         flytekit.current_context().decks.clear()

@@ -35,9 +35,10 @@ def _backend(cfg: TrainConfig):
 
 
 def make_trainer(cfg: TrainConfig, policy_dir: str) -> Trainer:
-    """A fresh trainer (no optimizer state) on an HF checkpoint, e.g. the KL reference (checked first)."""
+    """A fresh trainer (no optimizer state) on an HF checkpoint (checked first): the KL reference, the start policy as it
+    is, so without LoRA adapters or a draft head whatever train says."""
     check_hf_dir(policy_dir)
-    return _backend(cfg).from_hf(policy_dir, cfg)
+    return _backend(cfg).from_hf(policy_dir, dataclasses.replace(cfg, lora=LoraConfig(), mtp_lr=0.0))
 
 
 def load_trainer(cfg: TrainConfig, ckpt_dir: str, base_dir: str | None = None) -> Trainer:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import REPO, extends, run_workflow
 
-pytestmark = pytest.mark.flyte
+pytestmark = [pytest.mark.flyte, pytest.mark.algorithm_families]
 
 FAMILIES = ("dapo", "gspo", "dr_grpo", "reinforce_pp", "rloo", "ppo")
 

@@ -16,7 +16,7 @@ import pytest
 from miles_core.train.megatron import cpu_compat
 from tests.megatron_runs import run_worker
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.megatron_parallel]
 SAME = 1e-5  # fp32 losses of the same weights at other parallel sizes: reduction order only
 
 

@@ -1,9 +1,8 @@
 """The requests the SGLang engine sends to serve a LoRA policy unmerged (docs/lora.md): adapters loaded and unloaded by
 version, each /generate naming the adapter, the launch arguments that enable LoRA.
 
-The server here is a loopback HTTP server that records the requests and answers as SGLang 0.5.23 does, not the real
-server: SGLang's LoRA layers allocate pinned host memory (`pin_memory=True` in sglang/srt/lora/layers.py), which its
-CUDA build of torch cannot do without a GPU driver, so a CPU server started with --enable-lora exits during start-up.
+The server here is a loopback HTTP server that records the requests and answers as SGLang 0.5.23 does, so the order and
+content of every call can be read back; the real CPU server serving adapters is tests/integration/test_sglang_lora.py.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ tests use to show the stand-ins are still needed) it
   `.synchronize()` on it, which fails without a driver. The replacement is cached like the
   original (`functools.cache`), so it keeps the `__wrapped__` that torch.compile's tracer looks
   up (without it every `torch.compile`d SGLang function fails, e.g. the MoE biased grouped top-k), and
-* makes pinning a host buffer with cudaHostRegister a no-op: the routed-experts capturer
-  (--enable-return-routed-experts) allocates its host cache that way on any device, which fails
-  without a driver; on a CPU server the buffer is ordinary memory already.
+* makes pinning a host buffer a no-op: the routed-experts capturer (--enable-return-routed-experts)
+  registers its host cache with cudaHostRegister on any device, and the LoRA layers, memory pool and
+  torch_native LoRA backend (--enable-lora) allocate with `pin_memory=True` or call `.pin_memory()`;
+  all of it fails without a driver, and on a CPU server every buffer is ordinary memory already.
 Pinned to one SGLang version: another version stops with a message instead of half-working.
 """
 
@@ -46,6 +47,22 @@ def _activate() -> None:
 
     torch.get_device_module = get_device_module
     _after_import("sglang.srt.mem_cache.pool_host.common", lambda module: setattr(module, "_cuda_host_register", lambda *args, **kwargs: None))
+    _unpinned(torch)
+
+
+def _unpinned(torch) -> None:
+    """Pinning asked of torch answered with ordinary host memory: `Tensor.pin_memory()` returns the tensor itself, and
+    the factories drop `pin_memory=True`."""
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    for name in ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like", "ones_like"):
+        factory = getattr(torch, name)
+
+        @functools.wraps(factory)
+        def unpinned(*args, _factory=factory, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return _factory(*args, **kwargs)
+
+        setattr(torch, name, unpinned)
 
 
 def _after_import(name: str, patch) -> None:

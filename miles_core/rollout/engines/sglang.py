@@ -62,7 +62,8 @@ class SGLangEngine:
             cfg = dataclasses.replace(cfg, extra_args=f"{cfg.extra_args} --enable-return-routed-experts")
         self.adapter: tuple[str, int] | None = None  # (name, version) of the LoRA adapter every /generate names
         self.model_dir = policy_dir  # what the servers load at launch: the policy, or a LoRA policy's base
-        if is_adapter_dir(policy_dir):  # attached servers must have been launched with --enable-lora alike
+        self.lora = is_adapter_dir(policy_dir)  # the servers run a LoRA policy's base and serve its versions as adapters
+        if self.lora:  # attached servers must have been launched with --enable-lora alike
             cfg = dataclasses.replace(cfg, extra_args=f"{cfg.extra_args} {' '.join(lora_launch_args(policy_dir, cfg.device))}")
             self.model_dir = _required_base(policy_dir, base_dir)
         self.cfg = cfg
@@ -78,15 +79,10 @@ class SGLangEngine:
                 self.servers = list(pool.map(lambda u: SGLangServer.attach(u, cfg), urls))
             else:
                 self.servers = list(pool.map(lambda slot: SGLangServer.launch(cfg, self.model_dir, version, slot), range(cfg.num_servers)))
-        if urls or self.model_dir != policy_dir:  # attached servers hold whatever they hold; a LoRA policy's adapter is loaded now
+        if urls or self.lora:  # attached servers hold whatever they hold; a LoRA policy's adapter is loaded now
             self.weight_version = None
             self.load_weights(policy_dir, version)
         self._pool = ThreadPoolExecutor(cfg.max_concurrency * len(self.servers))
-
-    @property
-    def serves_adapters(self) -> bool:
-        """The servers run a LoRA policy's base model and serve its versions as adapters."""
-        return self.model_dir != self.policy_dir
 
     @property
     def in_flight(self) -> int:
@@ -188,7 +184,7 @@ class SGLangEngine:
                     f"{err}; {'attached servers are not restarted' if not server.launched else f'gave up after {server.restarts} restarts'}"
                 ) from None
             log.warning("%s; restarting", err)
-            server.restart(self.model_dir, self.weight_version)
+            server.restart(self.model_dir if self.lora else self.policy_dir, self.weight_version)  # a LoRA policy: its base, then its adapter
             if self.adapter is not None:
                 server.post("/load_lora_adapter", {"lora_name": self.adapter[0], "lora_path": str(self.policy_dir)})
 
@@ -198,7 +194,7 @@ class SGLangEngine:
         """Publish an HF weight directory into every server as `version` (no-op if already served)."""
         if (policy_dir, version) == (self.policy_dir, self.weight_version):
             return
-        if self.serves_adapters or is_adapter_dir(policy_dir):
+        if self.lora or is_adapter_dir(policy_dir):
             self._swap_adapter(policy_dir, version)
             return
         check_hf_dir(policy_dir, tokenizer=False)  # refused here, not half-applied across the servers
@@ -212,10 +208,10 @@ class SGLangEngine:
     def _swap_adapter(self, adapter_dir: str, version: int) -> None:
         """The LoRA adapter of `adapter_dir` loaded into every server as `v<version>`, named by every later /generate,
         and the previous version's adapter unloaded (SGLang finishes the requests that name it first)."""
-        if not (is_adapter_dir(adapter_dir) and self.serves_adapters):
+        if not (is_adapter_dir(adapter_dir) and self.lora):
             raise SGLangError(
                 f"{adapter_dir}: {'a LoRA adapter' if is_adapter_dir(adapter_dir) else 'full weights'}, and these servers were launched for "
-                f"{'a LoRA policy: its base with adapters' if self.serves_adapters else 'full weights'}"
+                f"{'a LoRA policy: its base with adapters' if self.lora else 'full weights'}"
             )
         started, previous, name = time.perf_counter(), self.adapter, f"v{version}"
         with self._lock:
@@ -382,7 +378,7 @@ def shared_engine(cfg: SGLangConfig, policy_dir: str, version: int, record_routi
     base model of `base_dir`)."""
     key = f"{config_hash(cfg)}-{record_routing}"
     engine = _SHARED.get(key)
-    if engine is not None and engine.serves_adapters != is_adapter_dir(policy_dir):  # the first adapter of a LoRA run: its
+    if engine is not None and engine.lora != is_adapter_dir(policy_dir):  # the first adapter of a LoRA run: its
         _SHARED.pop(key).close()  # servers run the base with --enable-lora, launched anew (a pod's GPUs hold one set)
         engine = None
     if engine is None:
