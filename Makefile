@@ -27,16 +27,16 @@ $(STAMP): pyproject.toml requirements.lock
 run: setup
 	cfg="$$($(PY) -m miles_core.config $(RECIPE) $(ARGS))" && $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
 
-# Three test processes (pytest-xdist) on 2 cores, each taking whole files so a file's shared runs happen once: with two,
-# the cores idled ~17% of the time while tests waited on their subprocesses and servers. Torch keeps its default
-# threads: the learning tier's runs are deterministic for a thread count, and the megatron run of
-# tests/flyte/test_learning.py learns less at one thread (+8.6 points, under its margin) than at two. With workers and
-# their subprocesses sharing the cores, OpenMP threads that wait sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE):
-# the same numbers, bit for bit, without the spinning threads taking another's core.
+# Two test processes (pytest-xdist), each taking whole files so a file's shared runs happen once (three were measured
+# slower: 46+ minutes against 34, every test starved by the others). Torch keeps its default threads: the learning
+# tier's runs are deterministic for a thread count, and the megatron run of tests/flyte/test_learning.py learns less at
+# one thread (+8.6 points, under its margin) than at two. With two workers and their subprocesses sharing 2 cores,
+# OpenMP threads that wait sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE): the same numbers, bit for bit, without
+# the spinning threads taking the other's core.
 test: setup sglang-env
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 3 --dist loadfile --durations=15
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not flyte and not integration"
