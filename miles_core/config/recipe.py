@@ -118,10 +118,7 @@ def load_recipe(path: str | Path, overrides: dict | None = None, resolve_root: b
     URI stays as written."""
     path = Path(path)
     try:
-        values = _read_values(path.resolve(), library=library)
-        for key, value in _expand_seed(overrides or {}).items():
-            _set_dotted(values, key, value)
-        cfg = _build(RunConfig, values, "")
+        cfg = _overridden(_read_values(path.resolve(), library=library), overrides or {})
     except FileNotFoundError:
         raise ConfigError(f"{path}: recipe file not found") from None
     except yaml.YAMLError as err:
@@ -146,7 +143,11 @@ def config_from_json(text: str) -> RunConfig:
 
 def with_overrides(cfg: RunConfig, overrides: dict) -> RunConfig:
     """`cfg` with dotted `key: value` overrides (as `parse_overrides` reads them), checked like a recipe's."""
-    values = dataclasses.asdict(cfg)
+    return _overridden(dataclasses.asdict(cfg), overrides)
+
+
+def _overridden(values: dict, overrides: dict) -> RunConfig:
+    """The RunConfig of a recipe's values with dotted overrides set (`seed=N` first expanded to every seeded section)."""
     for key, value in _expand_seed(overrides).items():
         _set_dotted(values, key, value)
     return _build(RunConfig, values, "")
