@@ -1,9 +1,13 @@
 """A multi-token-prediction (MTP) draft head beside a policy: DeepSeek-V3's MTP module, one depth.
 
-At position t the head reads the policy's last hidden state h_t (before its final norm) and the embedding of
-token t+1, normalises each (RMSNorm), projects their concatenation [enorm(emb); hnorm(h)] back to the hidden
-size (`eh_proj`, the order of DeepSeek-V3's published checkpoints), runs one transformer block and hands its
-output to the policy's own final norm and lm_head (shared, never copied) to predict token t+2.
+At position t the head reads the policy's last hidden state h_t (after its final norm: the input of lm_head) and
+the embedding of token t+1, normalises each (RMSNorm), projects their concatenation [enorm(emb); hnorm(h)] back to
+the hidden size (`eh_proj`, the order of DeepSeek-V3's published checkpoints), runs one transformer block and hands
+its output to the policy's own final norm and lm_head (shared, never copied) to predict token t+2.  Drafting
+further, it reads its own output after that final norm as the next hidden state.  Those are the conventions of
+SGLang's MTP drafts (it hands a Llama/Qwen-style target's normed hidden states to the draft, and its MiMo MTP
+layer zeroes the embedding at position 0, as the head does), so the head converts exactly into one
+(rollout/engines/sglang_draft.py).
 
 Departures from DeepSeek-V3: the block is a small standard one (RMSNorm, multi-head causal attention with
 RoPE, SwiGLU MLP) for every family, not the policy's own decoder layer, whose mask, rotary and cache plumbing
@@ -44,7 +48,8 @@ class MtpShape:
         text = text_config(config)
         hidden = text.hidden_size
         heads = text.num_attention_heads if hidden % text.num_attention_heads == 0 else 1
-        return cls(hidden_size=hidden, num_heads=heads, intermediate_size=3 * hidden)
+        eps = getattr(text, "rms_norm_eps", None) or 1e-6  # the policy's, so that one eps serves every norm of an SGLang draft
+        return cls(hidden_size=hidden, num_heads=heads, intermediate_size=3 * hidden, rms_norm_eps=eps)
 
 
 class HeadCache:
@@ -126,8 +131,10 @@ class MtpHead(nn.Module):
     def forward(
         self, hidden: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache: HeadCache | None = None
     ) -> torch.Tensor:
-        """hidden: policy hidden states h_t [B, S, H] (pre final norm); next_embeds: embeddings of tokens t+1 [B, S, H];
-        positions [B, S]; key_mask [B, cached + S] -> g [B, S, H], predicting tokens t+2 through `draft_logits`."""
+        """hidden: policy hidden states h_t [B, S, H] (after its final norm); next_embeds: embeddings of tokens t+1
+        [B, S, H], zeroed at position 0; positions [B, S]; key_mask [B, cached + S] -> g [B, S, H], predicting tokens
+        t+2 through `draft_logits`."""
+        next_embeds = next_embeds.masked_fill(positions[..., None] == 0, 0.0)
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
         return self.block(x, positions, key_mask, cache)
 
@@ -139,24 +146,33 @@ def final_norm(model: nn.Module) -> nn.Module:
     return norm
 
 
+def draft_hidden(model: nn.Module, g: torch.Tensor) -> torch.Tensor:
+    """The policy's final norm applied to the head's output g [..., H] (lm_head's input, which the head chains as its
+    next hidden state), the norm's weights outside any graph: the head's loss never reaches the policy's parameters."""
+    norm = final_norm(model)
+    return torch.func.functional_call(norm, {name: p.detach() for name, p in norm.named_parameters()}, (g,))
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The policy's lm_head on normed hidden states [..., H], its weights outside any graph."""
+    lm_head = model.get_output_embeddings()
+    return F.linear(hidden, lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach())
+
+
 def draft_logits(model: nn.Module, g: torch.Tensor) -> torch.Tensor:
-    """The policy's final norm and lm_head applied to the head's output, their weights outside any graph: the head's
-    loss never reaches the policy's parameters."""
-    norm, lm_head = final_norm(model), model.get_output_embeddings()
-    frozen = {name: p.detach() for name, p in norm.named_parameters()}
-    normed = torch.func.functional_call(norm, frozen, (g,))
-    return F.linear(normed, lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach())
+    """The policy's final norm and lm_head applied to the head's output g [..., H]."""
+    return head_logits(model, draft_hidden(model, g))
 
 
 class HiddenTap:
-    """Captures the policy's last hidden states (the input of its final norm) on every forward pass."""
+    """Captures the policy's last hidden states (the output of its final norm) on every forward pass."""
 
     def __init__(self, model: nn.Module):
         self.hidden: torch.Tensor | None = None
-        self.handle = final_norm(model).register_forward_pre_hook(self._keep)
+        self.handle = final_norm(model).register_forward_hook(self._keep)
 
-    def _keep(self, module, args) -> None:
-        self.hidden = args[0]
+    def _keep(self, module, args, output) -> None:
+        self.hidden = output
 
     def take(self) -> torch.Tensor:
         hidden, self.hidden = self.hidden, None

@@ -1,7 +1,7 @@
 """Speculative decoding in the embedded engine: the MTP head drafts, the policy verifies, the output is the policy's.
 
-Each round the head (miles_core/models/mtp.py) drafts k tokens, chaining its own output as the next hidden state
-(as SGLang's NEXTN/EAGLE drafters do); the policy then reads the last emitted token and the k drafts in one forward
+Each round the head (miles_core/models/mtp.py) drafts k tokens, chaining its own output (after the policy's final
+norm) as the next hidden state (as SGLang's NEXTN/EAGLE drafters do); the policy then reads the last emitted token and the k drafts in one forward
 pass.  Draft d_i, drawn from the head's distribution q_i, is accepted with probability min(1, p_i(d_i) / q_i(d_i));
 at the first rejection the token is drawn from normalize(max(0, p_i - q_i)), and when all k pass a bonus token is
 drawn from p_{k+1}.  p and q are the distributions the ordinary sampler draws from (softmax(logits / T), then
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from miles_core.models.mtp import HeadCache, HiddenTap, MtpHead, draft_logits
+from miles_core.models.mtp import HeadCache, HiddenTap, MtpHead, draft_hidden, head_logits
 from miles_core.rollout.base import Generation, SamplingParams
 from miles_core.rollout.sampling import draw, sample_next_tokens, truncate
 
@@ -122,12 +122,13 @@ class Speculator:
         g = self.head(state.pending_hidden, self.embed(state.pending_next), state.pending_positions, state.attention_mask, state.head_cache)[:, -1:]
         drafts, qs, position, key_mask = [], [], state.last_position, state.attention_mask
         for _ in range(k):
-            q = warped_probs(draft_logits(self.model, g[:, -1]), params)  # [B, V]
+            hidden = draft_hidden(self.model, g[:, -1:])  # [B, 1, H]
+            q = warped_probs(head_logits(self.model, hidden[:, -1]), params)  # [B, V]
             drafts.append(draw(q, generator))
             qs.append(q)
             if len(drafts) < k:
                 position, key_mask = position + 1, torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
-                g = self.head(g, self.embed(drafts[-1][:, None]), position, key_mask, state.head_cache)
+                g = self.head(hidden, self.embed(drafts[-1][:, None]), position, key_mask, state.head_cache)
         return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
 
     def _verify(self, tap, state: _State, drafts, q, finished, params, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
