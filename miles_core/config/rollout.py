@@ -100,7 +100,7 @@ class RolloutConfig:
     seed: int = 0
     dtype: str = "float32"  # float32 | bfloat16: the embedded torch engine's weights and compute (SGLang servers: sglang.dtype)
     routing_replay: bool = False  # R3: the engine records each token's experts (MoE models), the trainer replays them
-    speculative_tokens: int = 0  # torch engine: tokens the policy's MTP draft head drafts per forward pass (docs/speculative.md); 0 = off
+    speculative_tokens: int = 0  # tokens the policy's MTP draft head drafts per forward pass, in either engine (docs/speculative.md); 0 = off
     generate_fn: str = "miles_core.step:generate"  # plug-point: generate(engine, prompts, tokenizer, params)
     # sampling control (DAPO dynamic sampling): keep generating until prompts_per_step groups pass
     # the filter, at most max_rounds rounds; each round asks for over_sample x the missing groups;
@@ -131,10 +131,20 @@ class RolloutConfig:
         _check(self.memory_gb >= 0, "rollout.memory_gb", f"must be >= 0 (GiB; 0 = sized from the GPUs), got {self.memory_gb}")
         _check(self.speculative_tokens >= 0, "rollout.speculative_tokens", f"must be >= 0 (0: off), got {self.speculative_tokens}")
         _check(
-            self.speculative_tokens == 0 or (self.engine == "torch" and not self.routing_replay),
+            self.speculative_tokens == 0 or not self.routing_replay,
             "rollout.speculative_tokens",
-            "drafts with the torch engine only (SGLang: its own --speculative-* flags in rollout.sglang.extra_args) and without "
-            "rollout.routing_replay (drafted positions are cropped from the cache)",
+            "not with rollout.routing_replay: drafted positions are cropped from the cache, their routing would be recorded anyway",
+        )
+        sglang_spec = self.speculative_tokens > 0 and self.engine == "sglang"
+        _check(
+            not sglang_spec or self.sglang.weight_sync == "disk",
+            "rollout.speculative_tokens",
+            "with SGLang needs rollout.sglang.weight_sync: disk: each version's draft model is loaded from its directory",
+        )
+        _check(
+            not sglang_spec or "--speculative-" not in self.sglang.extra_args,
+            "rollout.speculative_tokens",
+            "sets SGLang's --speculative-* flags itself (the policy's MTP head as the draft): remove them from rollout.sglang.extra_args",
         )
 
     def gpus(self) -> int:

@@ -195,6 +195,12 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "rollout.speculative_tokens",
+        lambda c: c.rollout.speculative_tokens > 0 and c.rollout.engine == "sglang",
+        lambda c: c.train.lora.rank == 0,
+        lambda c: "a LoRA policy is published as its adapter alone, with no MTP head for SGLang's draft model: set train.lora.rank: 0",
+    ),
+    Rule(
         "train.qat",
         lambda c: bool(c.train.qat) and c.train.lora.rank > 0,
         lambda c: False,

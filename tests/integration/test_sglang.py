@@ -27,6 +27,7 @@ from miles_core.config import SGLangConfig, TrainConfig
 from miles_core.models.tiny import build_tokenizer
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from miles_core.rollout.engines.sglang import SGLangEngine
+from miles_core.rollout.engines.sglang_draft import write_draft
 from miles_core.rollout.engines.sglang_server import SGLangError, SGLangServer, free_port, sglang_python
 from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.samples import Sample
@@ -174,6 +175,20 @@ def started_stream(server, payload: dict):
     chunks = (line[len(b"data: ") :].decode() for line in response.iter_lines() if line.startswith(b"data: "))
     next(chunks)
     return chunks
+
+
+def test_a_draft_model_update_leaves_the_served_policy_as_it_was(engine, policies, tmp_path):
+    """A speculative engine publishes each version twice, the policy then its draft model (engines/sglang_draft.py), from
+    disk into target and draft alike: the target must skip every name of the draft's directory."""
+    engine.load_weights(policies[0], 0)
+    before = greedy_tokens(engine.generate(PROMPTS, GREEDY))
+    draft = write_draft(policies[1], tmp_path / "draft")
+    for server in engine.servers:
+        server.post("/begin_weight_update")
+        server.post("/update_weights_from_disk", {"model_path": str(draft), "flush_cache": False})
+        server.post("/end_weight_update")
+        server.post("/flush_cache")
+    assert greedy_tokens(engine.generate(PROMPTS, GREEDY)) == before
 
 
 def test_pause_abort_and_update_during_generation(engine, policies):

@@ -171,6 +171,12 @@ CASES = [
     ),
     ("lora_async", {**ASYNC, "train.lora.rank": 4}, "train.lora.rank: an async phase pushes the trainer's full weights", {"async_phase.schedule": "sync"}),
     (
+        "speculative_sglang_lora",
+        {"rollout.engine": "sglang", "rollout.speculative_tokens": 2, "train.lora.rank": 4},
+        "rollout.speculative_tokens: a LoRA policy is published as its adapter alone, with no MTP head",
+        {"rollout.speculative_tokens": 0},
+    ),
+    (
         "lora_qat",
         {"train.lora.rank": 4, "train.qat": "int4", "publish.quantization": "int4"},
         "train.qat: QAT fake-quantizes the weights the optimizer trains, and with train.lora",

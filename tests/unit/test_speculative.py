@@ -256,7 +256,6 @@ def test_online_mtp_sft_keeps_acceptance_up_as_rl_moves_the_policy(trained, tmp_
     "section, fields, key",
     [
         (RolloutConfig, {"speculative_tokens": -1}, "rollout.speculative_tokens"),
-        (RolloutConfig, {"speculative_tokens": 2, "engine": "sglang"}, "rollout.speculative_tokens"),
         (RolloutConfig, {"speculative_tokens": 2, "routing_replay": True}, "rollout.speculative_tokens"),
         (TrainConfig, {"mtp_lr": -1.0}, "train.mtp_lr"),
         (TrainConfig, {"mtp_lr": 1e-3, "backend": "megatron"}, "train.mtp_lr"),

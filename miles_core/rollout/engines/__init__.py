@@ -21,7 +21,7 @@ def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, base_dir: str
         # imported only for this engine: it brings the HTTP client and the server launcher
         from miles_core.rollout.engines.sglang import shared_engine
 
-        return shared_engine(cfg.sglang, policy_dir, version, cfg.routing_replay, base_dir)
+        return shared_engine(cfg.sglang, policy_dir, version, cfg.routing_replay, base_dir, cfg.speculative_tokens)
     from miles_core.rollout.engines.torch_engine import TorchEngine
 
     return TorchEngine(

@@ -23,6 +23,10 @@ update runs pause -> begin -> update -> end -> flush -> continue; its duration i
 A LoRA policy (an adapter directory, weights/adapter.py) is served unmerged: the servers run the base model with
 `--enable-lora` (the adapter's rank and target modules), each version's adapter is loaded by `/load_lora_adapter` under
 the name `v<version>`, every `/generate` names it as `lora_path`, and the previous version's adapter is unloaded.
+With speculative_tokens > 0 the servers decode speculatively (SGLang's EAGLE algorithm) with the policy's MTP head as
+their draft model, converted into SGLang's MiMo MTP layout (sglang_draft.py) in a directory of this engine's; each
+version rewrites it from the version's head and publishes it by a second `update_weights_from_disk` from it, in the
+same pause.
 A launched server that dies is restarted (at most max_restarts times) with the last published
 directory (an adapter: the base, then the adapter) and the failed call is sent again; an attached one that stops answering is dropped
 while others remain; every HTTP call has a timeout.
@@ -34,6 +38,8 @@ import atexit
 import base64
 import dataclasses
 import logging
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -45,6 +51,7 @@ from transformers import AutoConfig
 
 from miles_core.config import SGLangConfig, config_hash
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from miles_core.rollout.engines.sglang_draft import speculative_launch_args, write_draft
 from miles_core.rollout.engines.sglang_server import ServerUnreachable, SGLangError, SGLangServer, address_toward, free_port
 from miles_core.routing import moe_layer_ids, moe_sizes
 from miles_core.weights import sync
@@ -56,7 +63,15 @@ MAX_RESUBMITS = 4  # a sequence aborted by this many consecutive weight updates 
 
 
 class SGLangEngine:
-    def __init__(self, cfg: SGLangConfig, policy_dir: str, version: int = 0, record_routing: bool = False, base_dir: str | None = None):
+    def __init__(
+        self,
+        cfg: SGLangConfig,
+        policy_dir: str,
+        version: int = 0,
+        record_routing: bool = False,
+        base_dir: str | None = None,
+        speculative_tokens: int = 0,
+    ):
         self.routing = _routing_layout(policy_dir) if record_routing else None  # (MoE layer ids, decoder layers, k)
         if record_routing:  # the servers capture each token's experts (R3); attached ones must have been launched so
             cfg = dataclasses.replace(cfg, extra_args=f"{cfg.extra_args} --enable-return-routed-experts")
@@ -66,6 +81,10 @@ class SGLangEngine:
         if self.lora:  # attached servers must have been launched with --enable-lora alike
             cfg = dataclasses.replace(cfg, extra_args=f"{cfg.extra_args} {' '.join(lora_launch_args(policy_dir, cfg.device))}")
             self.model_dir = _required_base(policy_dir, base_dir)
+        self.draft_dir: Path | None = None  # the SGLang draft model of the served version (speculative_tokens > 0)
+        if speculative_tokens:  # one directory for the servers' lifetime: a restarted server loads the current draft
+            self.draft_dir = write_draft(policy_dir, tempfile.mkdtemp(prefix="sglang-draft-"))
+            cfg = dataclasses.replace(cfg, extra_args=f"{cfg.extra_args} {' '.join(speculative_launch_args(self.draft_dir, speculative_tokens))}")
         self.cfg = cfg
         self.policy_dir, self.weight_version = policy_dir, version
         self.last_update_metrics: dict[str, float] = {}
@@ -199,11 +218,19 @@ class SGLangEngine:
             return
         check_hf_dir(policy_dir, tokenizer=False)  # refused here, not half-applied across the servers
         if self.cfg.weight_sync == "disk":
-            payload = {"model_path": str(policy_dir), "weight_version": str(version), "flush_cache": False}
-            self._update(lambda: self._on_all("/update_weights_from_disk", payload), "disk", version)
+            self._update(lambda: self._load_from_disk(policy_dir, version), "disk", version)
         else:
             self._update(lambda: self._broadcast(_read_tensors(policy_dir), version), "distributed", version)
         self.policy_dir, self.weight_version = policy_dir, version
+
+    def _load_from_disk(self, policy_dir: str, version: int) -> None:
+        """The policy directory into every server, then its draft model (the target skips the draft's names, the draft
+        the policy's)."""
+        payload = {"model_path": str(policy_dir), "weight_version": str(version), "flush_cache": False}
+        self._on_all("/update_weights_from_disk", payload)
+        if self.draft_dir is not None:
+            write_draft(policy_dir, self.draft_dir)
+            self._on_all("/update_weights_from_disk", {**payload, "model_path": str(self.draft_dir)})
 
     def _swap_adapter(self, adapter_dir: str, version: int) -> None:
         """The LoRA adapter of `adapter_dir` loaded into every server as `v<version>`, named by every later /generate,
@@ -315,6 +342,8 @@ class SGLangEngine:
         self._close_sender()
         for server in self.servers:
             server.stop()
+        if self.draft_dir is not None:
+            shutil.rmtree(self.draft_dir, ignore_errors=True)
 
 
 def _sampling_params(params: SamplingParams, sequence: int) -> dict:
@@ -373,16 +402,18 @@ def _required_base(adapter_dir: str, base_dir: str | None) -> str:
     return base_dir
 
 
-def shared_engine(cfg: SGLangConfig, policy_dir: str, version: int, record_routing: bool = False, base_dir: str | None = None) -> SGLangEngine:
+def shared_engine(
+    cfg: SGLangConfig, policy_dir: str, version: int, record_routing: bool = False, base_dir: str | None = None, speculative_tokens: int = 0
+) -> SGLangEngine:
     """The engine of this process for `cfg`, started on first use, serving `version` on return (a LoRA adapter over the
     base model of `base_dir`)."""
-    key = f"{config_hash(cfg)}-{record_routing}"
+    key = f"{config_hash(cfg)}-{record_routing}-{speculative_tokens}"
     engine = _SHARED.get(key)
     if engine is not None and engine.lora != is_adapter_dir(policy_dir):  # the first adapter of a LoRA run: its
         _SHARED.pop(key).close()  # servers run the base with --enable-lora, launched anew (a pod's GPUs hold one set)
         engine = None
     if engine is None:
-        engine = _SHARED[key] = SGLangEngine(cfg, policy_dir, version, record_routing, base_dir)
+        engine = _SHARED[key] = SGLangEngine(cfg, policy_dir, version, record_routing, base_dir, speculative_tokens)
     else:
         engine.load_weights(policy_dir, version)
     return engine
