@@ -10,6 +10,7 @@ changes, e.g. when a torch_native draft backend arrives and the speculative path
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,15 @@ from tests.integration.test_sglang import build_policy, sglang_env_python
 pytestmark = pytest.mark.integration
 
 
-def test_speculative_launch_loads_the_draft_and_stops_at_the_cpu_attention_backend(tmp_path):
+def test_speculative_launch_loads_the_draft_and_stops_at_the_cpu_attention_backend(tmp_path, monkeypatch):
     sglang_env_python()
     policy = build_policy(tmp_path / "policy", seed=0)
+    drafts = tmp_path / "tmp"
+    drafts.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(drafts))  # where the engine writes its draft model
     with pytest.raises(SGLangError, match="exited with code") as err:
         SGLangEngine(SGLangConfig(startup_timeout_s=600), policy, version=0, speculative_tokens=2)
     log = Path(re.search(r"\(log (\S+)\)", str(err.value)).group(1)).read_text(errors="replace")
     assert f"type={DRAFT_ARCHITECTURE}" in log, "the converted draft model was not loaded"
     assert "ValueError: EAGLE is not supported in decode attention backend torch_native" in log
+    assert not list(drafts.glob("sglang-draft-*")), "the failed launch left its draft directory behind"

@@ -93,11 +93,15 @@ class SGLangEngine:
         self._in_flight: dict[int, int] = {}
         self.resubmitted_sequences = 0  # aborted by a weight update (or split across two versions) and generated again
         urls = [u.strip() for u in cfg.urls.split(",") if u.strip()]
-        with ThreadPoolExecutor(max(len(urls), cfg.num_servers)) as pool:  # servers start in parallel
-            if urls:
-                self.servers = list(pool.map(lambda u: SGLangServer.attach(u, cfg), urls))
-            else:
-                self.servers = list(pool.map(lambda slot: SGLangServer.launch(cfg, self.model_dir, version, slot), range(cfg.num_servers)))
+        try:
+            with ThreadPoolExecutor(max(len(urls), cfg.num_servers)) as pool:  # servers start in parallel
+                if urls:
+                    self.servers = list(pool.map(lambda u: SGLangServer.attach(u, cfg), urls))
+                else:
+                    self.servers = list(pool.map(lambda slot: SGLangServer.launch(cfg, self.model_dir, version, slot), range(cfg.num_servers)))
+        except BaseException:
+            self._remove_draft()  # nothing serves it: a failed launch leaves no directory behind
+            raise
         if urls or self.lora:  # attached servers hold whatever they hold; a LoRA policy's adapter is loaded now
             self.weight_version = None
             self.load_weights(policy_dir, version)
@@ -342,6 +346,9 @@ class SGLangEngine:
         self._close_sender()
         for server in self.servers:
             server.stop()
+        self._remove_draft()
+
+    def _remove_draft(self) -> None:
         if self.draft_dir is not None:
             shutil.rmtree(self.draft_dir, ignore_errors=True)
 
