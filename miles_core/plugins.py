@@ -8,6 +8,7 @@ inside a run.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -117,6 +118,7 @@ def source_file(module_name: str) -> Path | None:
     return None
 
 
+@functools.cache  # a process runs the code it loaded: each module's source is read once
 def _source(module_name: str) -> str:
     path = source_file(module_name)
     return path.read_text(encoding="utf-8") if path else ""
@@ -131,7 +133,8 @@ def plugin_code(run_cfg, stage: str) -> str:
     return hashlib.sha256(repr([(m, _source(m)) for m in modules]).encode()).hexdigest()[:12]
 
 
-def _imports(module_name: str, packages: tuple[str, ...]) -> set[str]:
+@functools.cache  # every task's closure walks the same modules
+def _imports(module_name: str, packages: tuple[str, ...]) -> frozenset[str]:
     """The modules of `packages` that module_name imports anywhere in its source (lazy imports included)."""
     found = set()
     for node in ast.walk(ast.parse(_source(module_name))):
@@ -139,7 +142,7 @@ def _imports(module_name: str, packages: tuple[str, ...]) -> set[str]:
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import module`
-    return {m for m in found if m.split(".")[0] in packages and source_file(m) is not None}
+    return frozenset(m for m in found if m.split(".")[0] in packages and source_file(m) is not None)
 
 
 def code_closure(module_name: str, packages: tuple[str, ...] = ("miles_core", "tasks", "containers")) -> str:
