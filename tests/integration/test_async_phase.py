@@ -170,12 +170,11 @@ def test_a_killed_rollout_actor_is_restarted_and_nothing_is_lost(cluster, start,
 
 
 def test_a_weight_push_that_times_out_fails_the_phase_clearly(cluster, start, tmp_path):
-    """A push timeout far below any acknowledgement: one or both actors miss it (which one answers first is a race)."""
+    """A push timeout far below any acknowledgement: one or both actors miss it (which one answers first is a race), and
+    the phase fails with the push named, not at a later deadline (take_timeout_s) or a hang."""
     spec = spec_for(start, push_timeout_s=1e-4)
-    started = time.monotonic()
     with pytest.raises(AsyncPhaseError, match=r"weight push of version 2 not acknowledged by [12] of 2 rollout actors within async_phase\.push_timeout_s"):
         run_phase(spec, str(tmp_path / "ckpt"))
-    assert time.monotonic() - started < 300
 
 
 def test_a_tripped_health_gate_stops_the_trainer_actor_before_it_saves(cluster, start, tmp_path):

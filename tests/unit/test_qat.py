@@ -72,7 +72,7 @@ def test_qat_leaves_the_parameters_and_their_names_in_place(tmp_path):
     plain, qat = TorchTrainer.from_hf(base, TrainConfig()), TorchTrainer.from_hf(base, TrainConfig(qat="int4", qat_group_size=32))
     params = dict(qat.model.named_parameters())
     batch = pack([Sample("p", 0, [1, 5, 6], [7, 8], [-1.0, -1.0], [1, 1], "length", 0, "")], PAD_ID)
-    qat._forward(batch, 1.0)[0].sum().backward()
+    qat.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.sum().backward()  # the trainer's forward
     assert dict(qat.model.named_parameters()) == params and qat.model.state_dict().keys() == plain.model.state_dict().keys()
     assert all(params[n].grad is not None for n in qat_weights(qat.model))
     assert not torch.equal(qat.logprobs(batch, 1.0), plain.logprobs(batch, 1.0))
