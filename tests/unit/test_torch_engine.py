@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from miles_core.rollout.base import Generation, RolloutEngine, SamplingParams
 from miles_core.rollout.engines.torch_engine import TorchEngine, sample_next_tokens
+from miles_core.rollout.sampling import draw
 from miles_core.weights.check import CheckpointError
 
 VOCAB = 64
@@ -158,6 +159,20 @@ def test_sampler_frequencies_and_unfiltered_logprobs(temperature, top_k, top_p, 
     torch.testing.assert_close(frequencies, expected, atol=0.01, rtol=0)  # ~4 sigma at 40k draws
     unfiltered = torch.log_softmax(logits[0] / temperature, dim=-1)
     torch.testing.assert_close(logprobs, unfiltered[tokens])
+
+
+@pytest.mark.parametrize("vocab", [5, 64, 200, 8193])
+def test_draw_picks_the_token_of_one_running_sum_over_the_vocabulary(vocab):
+    """Block by block, the draw lands where one float64 running sum over the vocabulary does for the same uniform
+    (zero weights and a last block shorter than the others included), never on a token of zero weight."""
+    rows, g = 500, torch.Generator().manual_seed(vocab)
+    weights = torch.rand((rows, vocab), generator=g) ** 4 * (torch.rand((rows, vocab), generator=g) < 0.3)  # [B, V]
+    weights[:, -1] += 1e-3  # every row has some weight
+    tokens = draw(weights, torch.Generator().manual_seed(0))
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
+    uniform = torch.rand((rows, 1), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert torch.equal(tokens, torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1))
+    assert bool((weights.gather(-1, tokens[:, None]) > 0).all())
 
 
 def test_greedy_equals_hf_generate(engine, reference_model):
