@@ -56,21 +56,24 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return (block * BLOCK + token).squeeze(-1)
 
 
-def sample_next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [B, V] raw -> (tokens [B], log-probs [B] under softmax(logits / T), unfiltered).
 
     Sampling uses softmax(logits / T) restricted by top-k then top-p (HF's warpers), drawn by
     inverse CDF. Temperature 0 is argmax, with log-probs under softmax(logits).
+    overwrite: the caller is done with `logits`, so they may hold the probabilities (a fresh [B, V]
+    buffer each step costs its page faults: ~5 ms a step at [256, 8192] on this CPU).
     """
-    logits = logits.float()
+    raw, logits = logits, logits.float()
     if params.greedy:
         tokens = logits.argmax(dim=-1)  # [B]
         logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
         return tokens, logprobs
     scaled = logits / params.temperature if params.temperature != 1.0 else logits  # [B, V]
-    probs = scaled.softmax(dim=-1)  # [B, V]
-    if params.top_k > 0 or params.top_p < 1.0:
-        probs = probs.masked_fill_(truncate(scaled, params) == float("-inf"), 0.0)  # a drawn token keeps its probability
+    dropped = truncate(scaled, params) == float("-inf") if params.top_k > 0 or params.top_p < 1.0 else None  # [B, V]
+    probs = torch.softmax(scaled, dim=-1, out=scaled if overwrite or scaled is not raw else None)  # [B, V]
+    if dropped is not None:
+        probs = probs.masked_fill_(dropped, 0.0)  # a drawn token keeps its probability
     tokens = draw(probs, generator)
     # log of the drawn token's probability: every token that can be drawn has one of at least ~1e-38 (a normal
     # float, to a relative eps), so this equals log_softmax at the token without another pass over [B, V]

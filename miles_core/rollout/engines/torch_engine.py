@@ -259,7 +259,7 @@ class TorchEngine:
         mask[:, :width] = attention_mask[rows]
         position = position_ids[rows, -1:]  # [B, 1]
         for step in range(params.max_new_tokens):
-            next_tokens, next_logprobs = sample_next_tokens(logits, params, generator)
+            next_tokens, next_logprobs = sample_next_tokens(logits, params, generator, overwrite=True)
             tokens[:, step] = next_tokens.masked_fill_(finished, self.pad_token_id)
             logprobs[:, step] = next_logprobs
             finished |= torch.isin(next_tokens, stop_ids)
