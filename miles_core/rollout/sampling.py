@@ -35,10 +35,12 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     The uniform, scaled to the row's total, picks a block of BLOCK consecutive tokens by the running sum of block
     masses, then the token inside it by the block's own running sum: the token a single running sum over V would
     pick (up to rounding), while only [B, V / BLOCK] and [B, BLOCK] running sums are formed.  A float64 cumsum of
-    the whole [B, V] cost ~16 ms a step at [256, 8192] here (a fresh 16 MB buffer each step), 3x the forward pass.
+    the whole [B, V] cost ~16 ms a step at [256, 8192] here (a fresh 16 MB buffer each step), more than the draw's
+    softmax and the forward pass of a tiny model together.
     """
-    # float64 running sums: in float32 each token's share would carry an absolute error of ~eps * cdf,
-    # distorting the rare tail of a large vocabulary
+    # Running sums in float64: in float32 each token's share would carry an absolute error of ~eps * cdf,
+    # distorting the rare tail of a large vocabulary.  A block's mass is a float32 sum of 64 entries: its error
+    # is relative to that block (~eps), as the float32 probabilities' own, so no tail is distorted.
     rows, vocab = weights.shape
     whole = vocab - vocab % BLOCK
     masses = weights[:, :whole].unflatten(-1, (-1, BLOCK)).sum(-1)  # [B, V // BLOCK]
