@@ -2,9 +2,10 @@
 
 Both run on the same tiny random Qwen2 (built here, no hub) and the same left-padded batch, sampling
 at temperature 1 with top_k=0 and top_p=1 and no stop tokens, so every sequence generates exactly
---new-tokens tokens. Best of --repeats after one warm-up each. Prints one JSON object.
+--new-tokens tokens. For each --batch size, best of --repeats after one warm-up each, the two sides
+alternating. Prints one JSON object: one entry per batch size, and the process's peak resident memory.
 
-    .venv/bin/python bench/rollout.py [--batch 256 --n 4 --prompt-len 16 --new-tokens 32 --repeats 5]
+    .venv/bin/python bench/rollout.py [--batch 64 256 --n 4 --prompt-len 16 --new-tokens 32 --repeats 5 --threads 1]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -28,7 +30,7 @@ from miles_core.rollout.engines.torch_engine import TorchEngine  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=256, help="sequences per batch (prompts x n)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="sequences per batch (prompts x n), one run each")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -38,8 +40,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = parser.parse_args()
-    if args.batch % args.n:
-        parser.error(f"--batch ({args.batch}) must be a multiple of --n ({args.n})")
+    if any(size % args.n for size in args.batch):
+        parser.error(f"--batch ({args.batch}) must be multiples of --n ({args.n})")
     return args
 
 
@@ -78,19 +80,10 @@ def best_times(runs: dict, repeats: int) -> dict[str, tuple[float, int]]:
     return best
 
 
-def main() -> None:
-    args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    with tempfile.TemporaryDirectory() as root:
-        policy_dir = build_model_dir(args, root)
-        engine = TorchEngine(policy_dir, max_batch_sequences=args.batch)
-        hf_model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
-
+def compare(engine: TorchEngine, hf_model, args: argparse.Namespace, size: int) -> dict:
+    """Engine and HF generate on the same `size` sequences (size / n prompts), timed alternately -> one JSON entry."""
     generator = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, args.vocab, (args.batch // args.n, args.prompt_len), generator=generator).tolist()
+    prompts = torch.randint(0, args.vocab, (size // args.n, args.prompt_len), generator=generator).tolist()
     params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens)
 
     def run_engine() -> int:
@@ -117,13 +110,30 @@ def main() -> None:
     best = best_times({"engine": run_engine, "hf": run_hf}, args.repeats)
     (engine_s, engine_tokens), (hf_s, hf_tokens) = best["engine"], best["hf"]
     engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
+    return {
+        "batch": size,
+        "engine_tokens_per_s": round(engine_tps, 1),
+        "hf_generate_tokens_per_s": round(hf_tps, 1),
+        "ratio_engine_over_hf": round(engine_tps / hf_tps, 3),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as root:
+        policy_dir = build_model_dir(args, root)
+        engine = TorchEngine(policy_dir, max_batch_sequences=max(args.batch))
+        hf_model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    results = [compare(engine, hf_model, args, size) for size in args.batch]
     print(
         json.dumps(
             {
-                "engine_tokens_per_s": round(engine_tps, 1),
-                "hf_generate_tokens_per_s": round(hf_tps, 1),
-                "ratio_engine_over_hf": round(engine_tps / hf_tps, 3),
-                "batch": args.batch,
+                "results": results,
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
                 "n": args.n,
                 "prompt_len": args.prompt_len,
                 "new_tokens": args.new_tokens,

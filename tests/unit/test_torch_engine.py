@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from miles_core.rollout.base import Generation, RolloutEngine, SamplingParams
 from miles_core.rollout.engines.torch_engine import TorchEngine, sample_next_tokens
+from miles_core.rollout.sampling import draw
 from miles_core.weights.check import CheckpointError
 
 VOCAB = 64
@@ -160,12 +161,32 @@ def test_sampler_frequencies_and_unfiltered_logprobs(temperature, top_k, top_p, 
     torch.testing.assert_close(logprobs, unfiltered[tokens])
 
 
+@pytest.mark.parametrize("vocab", [5, 64, 200, 8193])
+def test_draw_picks_the_token_of_one_running_sum_over_the_vocabulary(vocab):
+    """Block by block, the draw lands where one float64 running sum over the vocabulary does for the same uniform
+    (zero weights and a last block shorter than the others included), never on a token of zero weight."""
+    rows, g = 500, torch.Generator().manual_seed(vocab)
+    weights = torch.rand((rows, vocab), generator=g) ** 4 * (torch.rand((rows, vocab), generator=g) < 0.3)  # [B, V]
+    weights[:, -1] += 1e-3  # every row has some weight
+    tokens = draw(weights, torch.Generator().manual_seed(0))
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
+    uniform = torch.rand((rows, 1), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert torch.equal(tokens, torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1))
+    assert bool((weights.gather(-1, tokens[:, None]) > 0).all())
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> ids [B, L] left-padded with 0, attention mask [B, L] (0 on the padding)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    return input_ids, torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+
 def test_greedy_equals_hf_generate(engine, reference_model):
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=12, stop_token_ids=(3, 9))
     out = engine.generate(PROMPTS, params)
-    width = max(len(p) for p in PROMPTS)
-    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    input_ids, attention_mask = left_padded(PROMPTS)
+    width = input_ids.shape[1]
     with torch.no_grad():
         hf = reference_model.generate(
             input_ids=input_ids,
@@ -184,6 +205,54 @@ def test_greedy_equals_hf_generate(engine, reference_model):
     chunked = TorchEngine(engine.policy_dir, version=7, max_batch_sequences=1)
     alone = chunked.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(3, 9), seed=99))
     assert [g.tokens for g in flatten(alone)] == [gens[0].tokens for gens in out]
+
+
+def test_each_prompt_prefilled_once_decodes_as_every_row_prefilled(engine, reference_model):
+    """The n copies of a prompt share one prefill: greedy tokens and log-probs are those of HF generate prefilling
+    every row of the left-padded batch (prompts of four lengths)."""
+    n, new = 3, 10
+    out = engine.generate(PROMPTS, SamplingParams(n=n, temperature=0.0, max_new_tokens=new))
+    input_ids, attention_mask = left_padded([p for p in PROMPTS for _ in range(n)])
+    with torch.no_grad():
+        hf = reference_model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=new,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = hf.sequences[:, input_ids.shape[1] :]  # [B, S]
+    logprobs = torch.stack(hf.logits, dim=1).log_softmax(dim=-1).gather(-1, tokens[..., None]).squeeze(-1)  # [B, S]
+    for row, g in enumerate(flatten(out)):
+        assert g.tokens == tokens[row].tolist()
+        torch.testing.assert_close(torch.tensor(g.logprobs), logprobs[row], atol=1e-5, rtol=0)
+
+
+def chi_square(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of counts [V] against expected counts [V], bins expecting under 5 pooled into one
+    -> (statistic, degrees of freedom)."""
+    small = expected < 5
+    observed = torch.cat([observed[~small], observed[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    return float(((observed - expected) ** 2 / expected).sum()), len(expected) - 1
+
+
+def test_sampled_tokens_follow_the_models_distribution(engine, reference_model):
+    """4000 samples of one prompt, fixed seed: the first token's counts and the second's (given each sample's first)
+    pass a chi-square test against the model's softmax at 5 sigma, and the first's fail it at temperature 0.8."""
+    prompt, n = PROMPTS[1], 4000
+    pairs = torch.tensor([g.tokens for g in engine.generate([prompt], SamplingParams(n=n, max_new_tokens=2, seed=0))[0]])  # [n, 2]
+    with torch.no_grad():
+        first_logits = reference_model(input_ids=torch.tensor([prompt])).logits[0, -1]  # [V]
+        second = reference_model(input_ids=torch.tensor([prompt + [t] for t in range(VOCAB)])).logits[:, -1].softmax(-1)  # [V, V]
+    first_counts, second_counts = (torch.bincount(pairs[:, i], minlength=VOCAB).double() for i in (0, 1))
+    for counts, probs in [(first_counts, first_logits.softmax(-1)), (second_counts, second[pairs[:, 0]].mean(0))]:
+        statistic, dof = chi_square(counts, n * probs.double())
+        assert statistic < dof + 5 * (2 * dof) ** 0.5
+    statistic, dof = chi_square(first_counts, n * (first_logits / 0.8).softmax(-1).double())
+    assert statistic > dof + 5 * (2 * dof) ** 0.5
 
 
 def test_chunking_keeps_order_and_counts(policy_dirs):

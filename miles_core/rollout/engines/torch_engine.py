@@ -1,12 +1,15 @@
 """Embedded rollout engine: a transformers causal LM generating in-process on CPU.
 
-Departs from plain `model.generate` in one place, measured on this 2-core CPU (bench/rollout.py):
-HF samples with `torch.multinomial`, which draws an exponential variate for every vocabulary entry
-(~37 ms per step for [256, 8192], more than the forward pass of a tiny model). This engine keeps the
-transformers model, its DynamicCache and HF's top-k/top-p warpers, but samples by inverse CDF (one
-uniform per row, cumsum + searchsorted: ~2 ms) in a short decode loop that also yields the log-prob
-of each sampled token from the same logits, so no [B, T, V] logits are kept (`output_logits=True`
-would hold every step's logits: tens of GB for a real vocabulary).
+Departs from plain `model.generate` where it measured faster on this 2-core CPU (bench/rollout.py):
+* Sampling: HF samples with `torch.multinomial`, which draws an exponential variate for every vocabulary
+  entry (~37 ms per step for [256, 8192], more than the forward pass of a tiny model). This engine keeps
+  HF's top-k/top-p warpers but samples by inverse CDF, one uniform per row, in two levels (rollout/sampling.py:
+  blocks of 64 tokens, then a token; ~2 ms a step at [256, 8192], where one float64 cumsum over the
+  vocabulary cost ~16 ms) and takes the log-prob of each sampled token from the same softmax, so no
+  [B, T, V] logits are kept (`output_logits=True` would hold every step's logits: tens of GB for a real
+  vocabulary).
+* Prefill: the n samples of a prompt share one prefill; its cache is copied to the n rows.
+* The attention mask of the whole decode is allocated once and sliced per step.
 Greedy decoding is argmax over the same logits and matches `model.generate(do_sample=False)`.
 Any HF directory loads through `miles_core.models.load_causal_lm` (a multimodal checkpoint as its text
 model).  Prompts are left-padded to decode together; a model whose attention is not invariant to
@@ -15,9 +18,18 @@ prompts of one length instead, so each row decodes as it would alone.
 A LoRA policy (an adapter directory, weights/adapter.py) is served unmerged: the base model loads once, checked
 against the adapter's manifest (base_sha256), and each version's adapter is loaded beside it by PEFT, made the
 active one, and the previous version's dropped.
-Measured (bench/rollout.py: 256 sequences x 32 new tokens, vocab 8192, machine shared): this loop
-8.6-12.6k tokens/s vs HF generate 4.2-4.7k (2.0-2.7x); the same engine on `model.generate` with a
-log-prob hook was 0.96x HF; this loop with `torch.multinomial` instead of inverse CDF ~1.0x HF.
+Measured (bench/rollout.py: 16 and 64 prompts x n=4 = 64 and 256 sequences, 32 new tokens, vocab 8192, 1 torch
+thread; the machine was shared with other work, load average 6-9 on its 2 cores, so absolute figures move by
++-30% between runs; both sides alternate in one run): this loop 8.5k tokens/s vs HF generate 2.4k at batch 256
+(3.5x; 2.8-3.3x in other runs) and 6.9k vs 2.5k at batch 64 (2.8x; 2.5-3.5x in other runs).  The loop before the
+two-level draw, the shared prefill and the in-place softmax, measured right after: 1.96x at 256, 1.75x at 64.
+At batch 64 the loop costs what the model's forward passes alone cost; what is left is the forward itself.
+Tried and not kept: `torch.compile(model.forward, dynamic=True)` (gcc 12): ~240 s to compile, then 1.4x
+slower than eager; keys and values written into storage reserved for the whole decode instead of
+DynamicCache's `torch.cat`: +8% at batch 256, -4% at 64 (attention over strided views); 2 torch threads
+on the busy machine: ~10x slower for both sides (OpenMP barriers waiting on a busy core).
+The same engine on `model.generate` with a log-prob hook was 0.96x HF; this loop with `torch.multinomial`
+instead of inverse CDF ~1.0x HF.
 """
 
 from __future__ import annotations
@@ -64,6 +76,16 @@ def _read_pad_token_id(policy_dir: str, model) -> int:
     return 0
 
 
+def _distinct(prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """Rows (copies of a prompt adjacent) -> (each run of equal prompts once, the run of each row [B])."""
+    distinct, rows = [], []
+    for prompt in prompts:
+        if not distinct or distinct[-1] != prompt:
+            distinct.append(prompt)
+        rows.append(len(distinct) - 1)
+    return distinct, torch.tensor(rows)
+
+
 class TorchEngine:
     """RolloutEngine on a transformers causal LM in this process (CPU, fp32 by default).
 
@@ -79,7 +101,10 @@ class TorchEngine:
 
     Sequences are decoded in the order given (prompt-major, n copies adjacent) from one RNG seeded
     with params.seed, so output is reproducible for the same engine settings (max_batch_sequences
-    decides which sequences share a batch and where each draws from the RNG stream).
+    decides which sequences share a batch and where each draws from the RNG stream).  In a batch, each
+    run of equal prompts is prefilled once and its cache copied to its rows (`Cache.reorder_cache`,
+    which every transformers cache layer implements for beam search); the prefill draws nothing, so
+    every row draws from the stream where it did when each row was prefilled.
     """
 
     def __init__(
@@ -202,59 +227,69 @@ class TorchEngine:
         return input_ids, attention_mask
 
     def _decode(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, generator: torch.Generator
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, params: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Left-padded [B, L] prompts -> (new tokens [B, S], log-probs [B, S], routing), S <= max_new_tokens.
+        """Left-padded [P, L] distinct prompts, the prompt of each row [B] -> (new tokens [B, S], log-probs [B, S], routing),
+        S <= max_new_tokens.
 
         Rows that hit a stop token keep decoding pad ids until every row has stopped.  With routing recorded, routing
         is [B, L + S - 1, layers x k]: the experts of each position fed (the prompt's, then each new token's but the last).
         """
         with self.taps.recording() if self.taps is not None else contextlib.nullcontext():
-            return self._decode_loop(input_ids, attention_mask, params, generator)
+            return self._decode_loop(input_ids, attention_mask, rows, params, generator)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache, routing: list) -> torch.Tensor:
+        """[N, T] ids fed after `cache` -> the next token's logits [N, V]; with routing recorded, [N, T, layers x k] appended to `routing`."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        if self.taps is not None:
+            routing.append(self.taps.take().view(*input_ids.shape, -1))
+        return out.logits[:, -1]
 
     def _decode_loop(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, generator: torch.Generator
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, params: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        batch = input_ids.shape[0]
-        tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros((batch, params.max_new_tokens))
+        (batch,), width = rows.shape, input_ids.shape[1]
+        tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long)  # [B, S]
+        logprobs = torch.zeros((batch, params.max_new_tokens))  # [B, S]
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long)
-        finished = torch.zeros(batch, dtype=torch.bool)
+        finished = torch.zeros(batch, dtype=torch.bool)  # [B]
         cache = DynamicCache(config=self.model.config)
-        position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)  # as HF generate
-        step_ids, new_column = input_ids, torch.ones((batch, 1), dtype=attention_mask.dtype)
+        position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)  # [P, L] as HF generate
         routing = []  # per forward: [B, positions fed, layers x k]
+        logits = self._forward(input_ids, attention_mask, position_ids, cache, routing)  # [P, V]
+        if input_ids.shape[0] < batch:  # each prompt prefilled once: its cache copied to its rows (beam search's reorder)
+            cache.reorder_cache(rows)
+            logits, routing = logits[rows], [prompt_routing[rows] for prompt_routing in routing]  # [B, V], [B, L, layers x k]
+        mask = torch.ones((batch, width + params.max_new_tokens), dtype=attention_mask.dtype)  # [B, L + S], sliced per step
+        mask[:, :width] = attention_mask[rows]
+        position = position_ids[rows, -1:]  # [B, 1]
         for step in range(params.max_new_tokens):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            if self.taps is not None:
-                routing.append(self.taps.take().view(batch, step_ids.shape[1], -1))
-            next_tokens, next_logprobs = sample_next_tokens(out.logits[:, -1], params, generator)
+            next_tokens, next_logprobs = sample_next_tokens(logits, params, generator, overwrite=True)
             tokens[:, step] = next_tokens.masked_fill_(finished, self.pad_token_id)
             logprobs[:, step] = next_logprobs
             finished |= torch.isin(next_tokens, stop_ids)
-            if bool(finished.all()):
+            if step + 1 == params.max_new_tokens or bool(finished.all()):
                 break
-            step_ids = next_tokens[:, None]
-            attention_mask = torch.cat([attention_mask, new_column], dim=-1)
-            position_ids = position_ids[:, -1:] + 1
+            position = position + 1
+            logits = self._forward(next_tokens[:, None], mask[:, : width + step + 1], position, cache, routing)
         return tokens[:, : step + 1], logprobs[:, : step + 1], torch.cat(routing, dim=1) if routing else None
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Generation]:
-        input_ids, attention_mask = self._left_pad(prompts)
         drafted = accepted = torch.zeros(len(prompts), dtype=torch.long)
         if self.head is not None and self.speculative_tokens > 0:
             speculator = Speculator(self.model, self.head, self.speculative_tokens, self.pad_token_id)
-            (tokens, logprobs, drafted, accepted), routing = speculator.decode(input_ids, attention_mask, params, generator), None
+            (tokens, logprobs, drafted, accepted), routing = speculator.decode(*self._left_pad(prompts), params, generator), None
         else:
-            tokens, logprobs, routing = self._decode(input_ids, attention_mask, params, generator)
-        stop_ids, width = set(params.stop_token_ids), input_ids.shape[1]
+            distinct, rows = _distinct(prompts)
+            tokens, logprobs, routing = self._decode(*self._left_pad(distinct), rows, params, generator)
+        stop_ids, width = set(params.stop_token_ids), max(len(p) for p in prompts)
         out = []
         for row, (prompt, row_tokens, row_logprobs) in enumerate(zip(prompts, tokens.tolist(), logprobs.tolist())):
             end = next((i + 1 for i, token in enumerate(row_tokens) if token in stop_ids), None)
