@@ -1,16 +1,23 @@
-"""Orchestration overhead of one RL iteration in the looped Flyte DAG. Prints one JSON object.
+"""Orchestration overhead of one RL iteration in the looped Flyte DAG, stage by stage. Prints one JSON object.
 
-Runs the workflow locally (`pyflyte run`, fresh cache and run root) on a recipe, then reads the
-MLflow run: iteration wall time is the gap between consecutive `log_iteration` calls; the tasks'
-own compute is what rollout, score and train measured inside themselves. The difference is what
-Flyte (serialisation, cache look-ups, task start) plus per-task model loading, parquet I/O,
-publishing and tracking cost.
+Runs the workflow locally (`pyflyte run`, fresh cache and run root) on a recipe, then reads the MLflow run: iteration
+wall time is the gap between consecutive `log_iteration` calls; the tasks' own compute is what rollout, score and train
+measured inside themselves. The difference is what Flyte (serialisation, cache look-ups, task start, the Elastic
+tasks' rendezvous and worker polling, decks) plus per-task model loading, batch I/O, checkpoints, publishing and
+tracking cost.
 
-    python bench/orchestration.py [--recipe recipes/smoke.yaml] [--iterations 6]
+Each stage's wall time is the gap between the ends of consecutive tasks. A task ends when flytekit uploads its
+outputs, which a local run copies under the run root: the newest file of an iteration's artifact (rollout batch,
+scored batch, checkpoint, policy) is written as its task returns. The log stage ends where `log_iteration` takes its
+timestamp, so the rest of that task counts to the next iteration's rollout stage. Peak RSS is the largest process the
+run started (the workflow's, or a forked Elastic worker's).
+
+    python bench/orchestration.py [--recipe recipes/tiny_arith_cpu.yaml] [--iterations 6] [key=value ...]
 """
 
 import argparse
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -18,33 +25,68 @@ from pathlib import Path
 
 from runner import metric, mlflow_runs, run_workflow
 
+COMPUTE = {"rollout": "time_rollout_s", "score": "time_score_s", "train": "time_train_s"}
+
+
+def task_ends(root: Path, stage: str) -> list[float]:
+    """When each artifact of `stage` under the run root was uploaded (the newest file it holds), in iteration order."""
+    artifacts = sorted(p for p in (root / stage).iterdir() if not p.name.endswith(".buffer.parquet"))
+    return [max(f.stat().st_mtime for f in ([a] if a.is_file() else a.rglob("*")) if f.is_file()) for a in artifacts]
+
+
+STAGES = ("rollout", "score", "train", "publish", "log")
+
+
+def stage_walls(root: Path, logged: list[float]) -> dict[str, list[float]]:
+    """{stage: its wall time in each iteration after the first}, from the end of the task before it to its own end."""
+    checkpoints = task_ends(root, "checkpoint")[1:]  # the first is the converted start
+    ends = list(zip(task_ends(root, "rollout"), task_ends(root, "scored"), checkpoints, task_ends(root, "policy"), logged))
+    walls = [[b - a for a, b in zip((logged[i - 1], *ends[i]), ends[i])] for i in range(1, len(logged))]
+    return {stage: [w[j] for w in walls] for j, stage in enumerate(STAGES)}
+
+
+def median(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--recipe", default="recipes/smoke.yaml")
+    parser.add_argument("--recipe", default="recipes/tiny_arith_cpu.yaml")
     parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("overrides", nargs="*", help="key=value recipe overrides (sft.steps=50 for a quick look)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "runs"
         started = time.perf_counter()
-        run_workflow(args.recipe, root, tmp, f"iterations={args.iterations}", "evaluation.interval=1000")
+        run_workflow(args.recipe, root, tmp, f"iterations={args.iterations}", "evaluation.interval=1000", *args.overrides)
         total = time.perf_counter() - started
         client, (run,) = mlflow_runs(root)
-        series = {k: metric(client, run, k) for k in ("time_logged_at", "time_rollout_s", "time_score_s", "time_train_s")}
-    steps = sorted(series["time_logged_at"])
-    walls = [series["time_logged_at"][b] - series["time_logged_at"][a] for a, b in zip(steps, steps[1:])]
-    compute = [sum(series[k][b] for k in ("time_rollout_s", "time_score_s", "time_train_s")) for b in steps[1:]]
-    overheads = [w - c for w, c in zip(walls, compute)]
+        series = {k: metric(client, run, k) for k in ("time_logged_at", *COMPUTE.values())}
+        steps = sorted(series["time_logged_at"])
+        walls = stage_walls(root, [series["time_logged_at"][s] for s in steps])
+    iteration = [sum(stage) for stage in zip(*walls.values())]
+    compute = [sum(series[k][s] for k in COMPUTE.values()) for s in steps[1:]]
+    overheads = [w - c for w, c in zip(iteration, compute)]
+    stages = {
+        stage: {
+            "wall_s": median(wall),
+            "overhead_s": median([w - series[COMPUTE[stage]][s] for w, s in zip(wall, steps[1:])]) if stage in COMPUTE else median(wall),
+        }
+        for stage, wall in walls.items()
+    }
     print(
         json.dumps(
             {
                 "bench": "orchestration",
                 "recipe": args.recipe,
+                "overrides": args.overrides,
                 "iterations": args.iterations,
-                "iteration_wall_s_median": round(statistics.median(walls), 3),
-                "task_compute_s_median": round(statistics.median(compute), 3),
-                "overhead_s_median": round(statistics.median(overheads), 3),
-                "overhead_fraction": round(statistics.median(overheads) / statistics.median(walls), 3),
+                "iteration_wall_s_median": median(iteration),
+                "task_compute_s_median": median(compute),
+                "overhead_s_median": median(overheads),
+                "overhead_fraction": round(statistics.median(overheads) / statistics.median(iteration), 3),
+                "stages": stages,
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
                 "workflow_total_s": round(total, 1),
             }
         )

@@ -65,13 +65,14 @@ from tasks.common import (
     uri_of,
 )
 from tasks.debug import train_outputs
-from tasks.decks import batch_decks
+from tasks.decks import DECKS, batch_decks
 from tasks.elastic import elastic, resizable_task
 from tasks.metadata import DEFAULTS, cached, declared
 from tasks.retry import recoverable
 
-# torch elastic polls its workers this often (seconds; flytekit's default 5): a finished step is noticed within it
-MONITOR_S = 1
+# torch elastic polls its workers this often (seconds; torch's own default, flytekit's is 5): a finished step is noticed
+# within it, so it bounds what every Elastic task adds to an iteration's wall time
+MONITOR_S = 0.1
 ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork", monitor_interval=MONITOR_S)
 
 
@@ -134,7 +135,7 @@ def rollout(
     return RolloutResult(batch=uploaded_file(out, dest), state=source.state, metrics=metrics, buffer=left_file)
 
 
-@task(**cached(cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__)), container_image=cpu_image, enable_deck=True, **declared("score"))
+@task(**cached(cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **DECKS, **declared("score"))
 @recoverable
 def score(
     cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy: Policy, batch: RolloutResult, iteration: int, root: str, code: str
@@ -152,7 +153,7 @@ def score(
 @resizable_task(
     **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, HealthConfig, DebugConfig, DistillConfig, module=__name__)),
     container_image=cpu_image,
-    enable_deck=True,
+    **DECKS,
     task_config=Elastic(nnodes=1, nproc_per_node=TrainConfig().nproc_per_node, start_method="fork", monitor_interval=MONITOR_S),  # a run's: train_task(cfg)
     **declared("train"),
 )

@@ -24,6 +24,7 @@ from miles_core.plugins import STAGE_PLUGPOINTS, code_closure, plugin_code
 from miles_core.storage import digest
 from miles_core.weights.publish import read_manifest
 from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking, member, run_root_of, uri_of
+from tasks.decks import DECKS
 from tasks.metadata import SMALL, declared
 from tasks.retry import recoverable
 
@@ -113,7 +114,7 @@ def log_iteration(
     print(line, flush=True)
 
 
-@task(cache=False, enable_deck=True, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
+@task(cache=False, **DECKS, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
 @recoverable
 def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float], policy: Policy, root: str) -> Report:
     manifest = read_manifest(member(policy.dir, "policy.json").parent)
