@@ -27,7 +27,7 @@ Targets: the SFT start's accuracy plus each of `--targets` (points). For each, e
 first evaluation at or above it (null if none within the budget) and the ratios ours / TRL; and each side's accuracy
 at the same time on each clock, the time the side that stopped first stopped.
 
-    python bench/vs_trl.py [--recipe recipes/tiny_arith_cpu.yaml] [--iterations 10] [--trl-steps 40] [--lrs ...]
+    python bench/vs_trl.py [--recipe recipes/tiny_arith_cpu.yaml] [--iterations 8] [--trl-steps 24] [--lrs ...] [--root DIR]
     python bench/vs_trl.py --smoke    # the smoke recipe, a few steps, one learning rate: a minute or two
 """
 
@@ -47,7 +47,8 @@ from pathlib import Path
 
 from runner import REPO, metric, mlflow_runs, run_workflow
 
-from miles_core.config import RunConfig, load_recipe
+from miles_core.config import RunConfig, config_hash, load_recipe
+from miles_core.config.recipe import parse_overrides
 
 TRL_REQUIREMENTS = Path(__file__).with_name("trl_requirements.txt")
 TRL_VERSION = next(line.split("==")[1].split()[0] for line in TRL_REQUIREMENTS.read_text().splitlines() if line.startswith("trl=="))
@@ -187,10 +188,14 @@ def our_run(recipe: str, tmp: Path, iterations: int, interval: int) -> tuple[lis
     print("ours: preparing the SFT start (a one-iteration run with other rollout and train seeds)", file=sys.stderr, flush=True)
     run_workflow(recipe, root, str(tmp), "iterations=1", f"rollout.seed={cfg.rollout.seed + 1}", f"train.seed={cfg.train.seed + 1}")
     print(f"ours: the measured run, {iterations} iterations", file=sys.stderr, flush=True)
+    measured = (f"iterations={iterations}", f"evaluation.interval={interval}")
+    digest = config_hash(load_recipe(recipe, {"run_root": str(root), **parse_overrides(list(measured))}))
+    if (root / "mlflow.db").is_file() and any(r.data.tags.get("config_hash") == digest for r in mlflow_runs(root)[1]):
+        raise SystemExit(f"{root}: this configuration already ran there, its iterations would be cache hits: use another --root")
     launched = time.time()
-    run_workflow(recipe, root, str(tmp), f"iterations={iterations}", f"evaluation.interval={interval}")
+    run_workflow(recipe, root, str(tmp), *measured)
     client, runs = mlflow_runs(root)
-    run = max(runs, key=lambda r: r.info.start_time)
+    (run,) = (r for r in runs if r.data.tags.get("config_hash") == digest)
     series = {k: metric(client, run, k) for k in ("eval_accuracy", "time_evaluate_s", "time_logged_at", "time_rollout_s", "time_score_s", "time_train_s")}
     points, rl_s, evaluating = [], 0.0, 0.0
     for step in range(iterations + 1):
@@ -225,11 +230,12 @@ def curve(points: list[dict]) -> list[list[float]]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default="recipes/tiny_arith_cpu.yaml")
-    parser.add_argument("--iterations", type=int, default=10, help="our RL iterations (each one generation batch)")
-    parser.add_argument("--trl-steps", type=int, default=40, help="TRL optimizer steps per learning rate (train.mini_batches per generation batch)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[2.5e-4, 5e-4, 1e-3, 2e-3], help="TRL's learning rates tried")
+    parser.add_argument("--iterations", type=int, default=8, help="our RL iterations (each one generation batch)")
+    parser.add_argument("--trl-steps", type=int, default=24, help="TRL optimizer steps per learning rate (train.mini_batches per generation batch)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3], help="TRL's learning rates tried")
     parser.add_argument("--eval-interval", type=int, default=1, help="generation batches between evaluations, both sides")
     parser.add_argument("--targets", type=float, nargs="+", default=[10, 20, 30], help="accuracy targets: points above the SFT start")
+    parser.add_argument("--root", default="", help="run root and Flyte home kept between runs (its cached SFT start is reused); default: a fresh one")
     parser.add_argument("--smoke", action="store_true", help="recipes/smoke.yaml, 2 iterations, 4 TRL steps, one learning rate")
     args = parser.parse_args()
     if args.smoke:
@@ -241,8 +247,9 @@ def main() -> None:
     args = parse_args()
     started = time.monotonic()
     python, setup_s = trl_env()
-    with tempfile.TemporaryDirectory() as tmp:
-        ours, files, cfg = our_run(args.recipe, Path(tmp), args.iterations, args.eval_interval)
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(args.root).resolve() if args.root else Path(scratch)
+        ours, files, cfg = our_run(args.recipe, tmp, args.iterations, args.eval_interval)
         settings = trl_settings(cfg)
         job = {
             **files,
@@ -255,7 +262,7 @@ def main() -> None:
         trl = {}
         for lr in args.lrs:
             print(f"TRL: learning rate {lr}, {args.trl_steps} optimizer steps", file=sys.stderr, flush=True)
-            trl[lr] = trl_run(python, {**job, "learning_rate": lr}, Path(tmp))
+            trl[lr] = trl_run(python, {**job, "learning_rate": lr}, Path(scratch))
     start = ours[0]["accuracy"]
     targets = [start + t / 100 for t in args.targets]
     best = best_run(trl, targets)
