@@ -47,8 +47,7 @@ from pathlib import Path
 
 from runner import REPO, metric, mlflow_runs, run_workflow
 
-from miles_core.config import RunConfig, config_hash, load_recipe
-from miles_core.config.recipe import parse_overrides
+from miles_core.config import RunConfig, load_recipe
 
 TRL_REQUIREMENTS = Path(__file__).with_name("trl_requirements.txt")
 TRL_VERSION = next(line.split("==")[1].split()[0] for line in TRL_REQUIREMENTS.read_text().splitlines() if line.startswith("trl=="))
@@ -185,17 +184,16 @@ def our_run(recipe: str, tmp: Path, iterations: int, interval: int) -> tuple[lis
     SFT start and data files, and its config."""
     cfg = load_recipe(recipe)
     root = tmp / "runs"
+    seeds = {"rollout.seed": str(cfg.rollout.seed), "train.seed": str(cfg.train.seed)}
+    if (root / "mlflow.db").is_file() and any(seeds.items() <= r.data.params.items() for r in mlflow_runs(root)[1]):
+        raise SystemExit(f"{root}: a run with the measured rollout and train seeds ran there, its iterations would be cache hits: use another --root")
     print("ours: preparing the SFT start (a one-iteration run with other rollout and train seeds)", file=sys.stderr, flush=True)
     run_workflow(recipe, root, str(tmp), "iterations=1", f"rollout.seed={cfg.rollout.seed + 1}", f"train.seed={cfg.train.seed + 1}")
     print(f"ours: the measured run, {iterations} iterations", file=sys.stderr, flush=True)
-    measured = (f"iterations={iterations}", f"evaluation.interval={interval}")
-    digest = config_hash(load_recipe(recipe, {"run_root": str(root), **parse_overrides(list(measured))}))
-    if (root / "mlflow.db").is_file() and any(r.data.tags.get("config_hash") == digest for r in mlflow_runs(root)[1]):
-        raise SystemExit(f"{root}: this configuration already ran there, its iterations would be cache hits: use another --root")
     launched = time.time()
-    run_workflow(recipe, root, str(tmp), *measured)
+    run_workflow(recipe, root, str(tmp), f"iterations={iterations}", f"evaluation.interval={interval}")
     client, runs = mlflow_runs(root)
-    (run,) = (r for r in runs if r.data.tags.get("config_hash") == digest)
+    run = max(runs, key=lambda r: r.info.start_time)
     series = {k: metric(client, run, k) for k in ("eval_accuracy", "time_evaluate_s", "time_logged_at", "time_rollout_s", "time_score_s", "time_train_s")}
     points, rl_s, evaluating = [], 0.0, 0.0
     for step in range(iterations + 1):
@@ -235,7 +233,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3], help="TRL's learning rates tried")
     parser.add_argument("--eval-interval", type=int, default=1, help="generation batches between evaluations, both sides")
     parser.add_argument("--targets", type=float, nargs="+", default=[10, 20, 30], help="accuracy targets: points above the SFT start")
-    parser.add_argument("--root", default="", help="run root and Flyte home kept between runs (its cached SFT start is reused); default: a fresh one")
+    parser.add_argument(
+        "--root",
+        default="",
+        help="run root and Flyte home kept between runs: its cached SFT start is reused, a root where the measured run already ran is refused (default: a fresh one)",
+    )
     parser.add_argument("--smoke", action="store_true", help="recipes/smoke.yaml, 2 iterations, 4 TRL steps, one learning rate")
     args = parser.parse_args()
     if args.smoke:
