@@ -21,14 +21,14 @@ Two clocks, evaluation excluded from both:
   `log_iteration` task, less every evaluate task's own time (`time/evaluate_s`): Flyte start-up, cache look-ups,
   the MLflow run, conversion, every task's start, model loading, artifacts and publishing count. TRL: from launching
   its interpreter (its environment already set up) to each evaluation, less the evaluations: imports, model and data
-  loading and the trainer's construction count.
+  loading and the trainer's construction count. Ours' start evaluation has no log time: it counts as 0 there.
 
 Targets: the SFT start's accuracy plus each of `--targets` (points). For each, each side's rl_s and total_s at its
 first evaluation at or above it (null if none within the budget) and the ratios ours / TRL; and each side's accuracy
 at the same time on each clock, the time the side that stopped first stopped.
 
     python bench/vs_trl.py [--recipe recipes/tiny_arith_cpu.yaml] [--iterations 8] [--trl-steps 24] [--lrs ...] [--root DIR]
-    python bench/vs_trl.py --smoke    # the smoke recipe, a few steps, one learning rate: a minute or two
+    python bench/vs_trl.py --smoke    # the smoke recipe, a few steps, one learning rate: a few minutes
 """
 
 from __future__ import annotations
