@@ -87,6 +87,7 @@ def trl_settings(cfg: RunConfig) -> dict:
     rollout, algo, train, reward = cfg.rollout, cfg.algo, cfg.train, cfg.reward
     completions = rollout.prompts_per_step * rollout.n_samples
     refusals = {
+        "async_phase.schedule": cfg.async_phase.schedule != "sync",  # ours' clocks read the sync iterations' metrics
         "rollout.dynamic_sampling": rollout.dynamic_sampling,
         "rollout.generate_fn": rollout.generate_fn != "miles_core.step:generate",
         "reward.group_fn": reward.group_fn != "miles_core.rewards.base:each_sample",
