@@ -16,6 +16,7 @@ default (tasks/metadata.py); `recoverable` marks network and object-store errors
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -212,10 +213,12 @@ def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent
 @task(**cached(cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("evaluate"))
 @recoverable
 def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: RolloutConfig, policy: Policy, dataset: Dataset, code: str) -> dict[str, float]:
-    """Held-out evaluation of a policy version (evaluation.fn, greedy accuracy by default)."""
+    """Held-out evaluation of a policy version (evaluation.fn, greedy accuracy by default), with the task's own time
+    (`time/evaluate_s`: what a benchmark of training time leaves out)."""
+    started = time.perf_counter()
     policy_dir = policy.dir.download()
     engine = make_engine(rollout, policy_dir, policy.version, base_dir_of(policy), max_batch_sequences=cfg.batch_size)
     fns = bind(rollout=rollout, reward=reward, evaluation=cfg)
     metrics = fns.evaluate_fn(engine, _prompts(dataset.test, data), AutoTokenizer.from_pretrained(policy_dir), fns)
     print(f"evaluate: policy v{policy.version}: held-out accuracy {metrics['eval/accuracy']:.3f}")
-    return metrics
+    return {**metrics, "time/evaluate_s": time.perf_counter() - started}
