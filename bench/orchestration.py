@@ -10,12 +10,12 @@ publishing and tracking cost.
 """
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from measure import emit
 from runner import metric, mlflow_runs, run_workflow
 
 
@@ -35,19 +35,17 @@ def main() -> None:
     walls = [series["time_logged_at"][b] - series["time_logged_at"][a] for a, b in zip(steps, steps[1:])]
     compute = [sum(series[k][b] for k in ("time_rollout_s", "time_score_s", "time_train_s")) for b in steps[1:]]
     overheads = [w - c for w, c in zip(walls, compute)]
-    print(
-        json.dumps(
-            {
-                "bench": "orchestration",
-                "recipe": args.recipe,
-                "iterations": args.iterations,
-                "iteration_wall_s_median": round(statistics.median(walls), 3),
-                "task_compute_s_median": round(statistics.median(compute), 3),
-                "overhead_s_median": round(statistics.median(overheads), 3),
-                "overhead_fraction": round(statistics.median(overheads) / statistics.median(walls), 3),
-                "workflow_total_s": round(total, 1),
-            }
-        )
+    emit(
+        {
+            "bench": "orchestration",
+            "recipe": args.recipe,
+            "iterations": args.iterations,
+            "iteration_wall_s_median": round(statistics.median(walls), 3),
+            "task_compute_s_median": round(statistics.median(compute), 3),
+            "overhead_s_median": round(statistics.median(overheads), 3),
+            "overhead_fraction": round(statistics.median(overheads) / statistics.median(walls), 3),
+            "workflow_total_s": round(total, 1),
+        }
     )
 
 
