@@ -24,7 +24,6 @@ import tempfile
 os.environ["HOME"] = tempfile.mkdtemp(prefix="bench-async-")  # a private Flyte cache for the preparation tasks
 
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import ray
 import torch
 import yaml
+from measure import emit
 from transformers import AutoTokenizer
 
 from miles_core.async_loop import PhaseSpec, run_phase
@@ -142,23 +142,21 @@ def main() -> None:
     async_, async_engine = run_async(cfg, start, prompts, ckpt.dir.path, args.steps, str(root / "async-ckpt"))
     ray.shutdown()
     sync["held_out_accuracy"], async_["held_out_accuracy"] = held_out(cfg, sync_engine, dataset, tokenizer), held_out(cfg, async_engine, dataset, tokenizer)
-    print(
-        json.dumps(
-            {
-                "bench": "async_vs_sync",
-                "recipe": args.recipe,
-                "steps": args.steps,
-                "overrides": args.overrides,
-                "threads_per_process": args.threads,
-                "rollout_workers": cfg.async_phase.rollout_workers,
-                "cores": os.cpu_count(),
-                "sync": sync,
-                "async": async_,
-                "ratio_samples_per_s": round(async_["samples_per_s"] / sync["samples_per_s"], 2),
-                "ratio_tokens_per_s": round(async_["tokens_per_s"] / sync["tokens_per_s"], 2),
-                "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-            }
-        )
+    emit(
+        {
+            "bench": "async_vs_sync",
+            "recipe": args.recipe,
+            "steps": args.steps,
+            "overrides": args.overrides,
+            "threads_per_process": args.threads,
+            "rollout_workers": cfg.async_phase.rollout_workers,
+            "cores": os.cpu_count(),
+            "sync": sync,
+            "async": async_,
+            "ratio_samples_per_s": round(async_["samples_per_s"] / sync["samples_per_s"], 2),
+            "ratio_tokens_per_s": round(async_["tokens_per_s"] / sync["tokens_per_s"], 2),
+            "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        }
     )
 
 

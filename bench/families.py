@@ -12,10 +12,10 @@ computed once and every family starts from the same policy. That cache lives in 
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from measure import emit
 from runner import REPO, metric, mlflow_runs, run_workflow
 
 from miles_core.config import load_recipe
@@ -57,7 +57,7 @@ def main() -> None:
             "mlflow_run_id": run.info.run_id,
         }
         print(f"{family}: held-out accuracy {accuracy[0]:.3f} -> {accuracy[max(accuracy)]:.3f}", file=sys.stderr, flush=True)
-    print(json.dumps({"bench": "families", "tracking_uri": f"sqlite:///{root}/mlflow.db", "experiment": "families", "families": results}))
+    emit({"bench": "families", "tracking_uri": f"sqlite:///{root}/mlflow.db", "experiment": "families", "families": results})
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ python bench/lora.py [--ranks 16 64]
 """
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 import torch
+from measure import emit
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from miles_core.config import LoraConfig, ModelConfig, TrainConfig
@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tiny = published_bytes(Path(tmp), args.ranks)
-    print(json.dumps({"bench": "lora", "target_modules": "all-linear", "tiny_fp32_published": tiny, "qwen3_8b_bf16": counted_bytes(QWEN3_8B, args.ranks)}))
+    emit({"bench": "lora", "target_modules": "all-linear", "tiny_fp32_published": tiny, "qwen3_8b_bf16": counted_bytes(QWEN3_8B, args.ranks)})
 
 
 if __name__ == "__main__":

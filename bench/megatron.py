@@ -21,6 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/ (whose megatron.py would shadow megatron-core)
+sys.path.append(str(Path(__file__).parent))  # bench/measure.py, after site-packages: megatron-core, not this file, is `megatron`
+
+from measure import emit  # noqa: E402
 
 from bench.trainer import batch  # noqa: E402
 from miles_core.config import ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
@@ -87,18 +90,16 @@ def main() -> None:
             "megatron_2proc_dp2": run_megatron(model_dir, 2, 1, args),
             "megatron_2proc_tp2": run_megatron(model_dir, 2, 2, args),
         }
-    print(
-        json.dumps(
-            {
-                "bench": "megatron",
-                "model": "tiny qwen2 (hidden 128, 4 layers)",
-                "sequences": args.sequences,
-                "torch_1proc": torch_1,
-                **runs,
-                **{f"speed_ratio_{name}_vs_torch_1proc": round(run["tokens_per_s"] / torch_1["tokens_per_s"], 3) for name, run in runs.items()},
-                "load_average_1min": round(os.getloadavg()[0], 2),
-            }
-        )
+    emit(
+        {
+            "bench": "megatron",
+            "model": "tiny qwen2 (hidden 128, 4 layers)",
+            "sequences": args.sequences,
+            "torch_1proc": torch_1,
+            **runs,
+            **{f"speed_ratio_{name}_vs_torch_1proc": round(run["tokens_per_s"] / torch_1["tokens_per_s"], 3) for name, run in runs.items()},
+            "load_average_1min": round(os.getloadavg()[0], 2),
+        }
     )
 
 

@@ -16,13 +16,12 @@ run started (the workflow's, or a forked Elastic worker's).
 """
 
 import argparse
-import json
-import resource
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from measure import emit
 from runner import metric, mlflow_runs, run_workflow
 
 COMPUTE = {"rollout": "time_rollout_s", "score": "time_score_s", "train": "time_train_s"}
@@ -74,22 +73,19 @@ def main() -> None:
         }
         for stage, wall in walls.items()
     }
-    print(
-        json.dumps(
-            {
-                "bench": "orchestration",
-                "recipe": args.recipe,
-                "overrides": args.overrides,
-                "iterations": args.iterations,
-                "iteration_wall_s_median": median(iteration),
-                "task_compute_s_median": median(compute),
-                "overhead_s_median": median(overheads),
-                "overhead_fraction": round(statistics.median(overheads) / statistics.median(iteration), 3),
-                "stages": stages,
-                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
-                "workflow_total_s": round(total, 1),
-            }
-        )
+    emit(
+        {
+            "bench": "orchestration",
+            "recipe": args.recipe,
+            "overrides": args.overrides,
+            "iterations": args.iterations,
+            "iteration_wall_s_median": median(iteration),
+            "task_compute_s_median": median(compute),
+            "overhead_s_median": median(overheads),
+            "overhead_fraction": round(statistics.median(overheads) / statistics.median(iteration), 3),
+            "stages": stages,
+            "workflow_total_s": round(total, 1),
+        }
     )
 
 

@@ -16,11 +16,11 @@ Reported per row: mean |train - rollout log-prob|, KL(rollout || train), the fra
 
 import argparse
 import dataclasses
-import json
 import tempfile
 from pathlib import Path
 
 import torch
+from measure import emit
 from tqdm import tqdm
 
 from miles_core.algos.corrections import mismatch_metrics
@@ -101,7 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-precision-") as tmp:
         base = build_tiny_model(model, str(Path(tmp) / "base"))
         rows = [row for name in tqdm(PRECISIONS, desc="precisions") for row in measure(base, name, Path(tmp), args)]
-    print(json.dumps({"model": dataclasses.asdict(model), "threshold": MISMATCH_THRESHOLD, "rows": rows}, indent=1))
+    emit({"model": dataclasses.asdict(model), "threshold": MISMATCH_THRESHOLD, "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

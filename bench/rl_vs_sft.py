@@ -10,12 +10,12 @@ same held-out prompts.
 """
 
 import argparse
-import json
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from measure import emit
 from runner import metric, mlflow_runs, run_workflow
 from transformers import AutoTokenizer
 
@@ -55,21 +55,19 @@ def main() -> None:
         trainer.export_hf(str(out), "float32")
         tokenizer.save_pretrained(out)
         evaluation = evaluate(TorchEngine(str(out)), load_prompts(test_file), tokenizer, bind(reward=cfg.reward, evaluation=cfg.evaluation))
-    print(
-        json.dumps(
-            {
-                "bench": "rl_vs_sft",
-                "recipe": args.recipe,
-                "heldout_prompts": int(evaluation["eval/prompts"]),
-                "accuracy_sft_start": accuracy[0],
-                "accuracy_after_rl": accuracy[max(accuracy)],
-                "rl_phase_s": round(rl_seconds, 1),
-                "accuracy_after_further_sft": evaluation["eval/accuracy"],
-                "further_sft_s": round(sft_seconds, 1),
-                "further_sft_steps": steps,
-                "rl_curve": [round(accuracy[k], 3) for k in sorted(accuracy)],
-            }
-        )
+    emit(
+        {
+            "bench": "rl_vs_sft",
+            "recipe": args.recipe,
+            "heldout_prompts": int(evaluation["eval/prompts"]),
+            "accuracy_sft_start": accuracy[0],
+            "accuracy_after_rl": accuracy[max(accuracy)],
+            "rl_phase_s": round(rl_seconds, 1),
+            "accuracy_after_further_sft": evaluation["eval/accuracy"],
+            "further_sft_s": round(sft_seconds, 1),
+            "further_sft_steps": steps,
+            "rl_curve": [round(accuracy[k], 3) for k in sorted(accuracy)],
+        }
     )
 
 

@@ -14,7 +14,6 @@ tensors in this process. Needs `make sglang-env`. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from measure import emit  # noqa: E402
 from rollout import best_times, build_model_dir  # noqa: E402  (bench/rollout.py: same model, same timing)
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
@@ -103,28 +103,21 @@ def main() -> None:
         updates = time_updates(engine, policy_dir, tensors, args.updates)
     finally:
         engine.close()
-    print(
-        json.dumps(
-            {
-                "sglang_tokens_per_s": round(tps["sglang"], 1),
-                "torch_engine_tokens_per_s": round(tps["torch_engine"], 1),
-                "hf_generate_tokens_per_s": round(tps["hf"], 1),
-                "ratio_sglang_over_torch_engine": round(tps["sglang"] / tps["torch_engine"], 3),
-                "ratio_sglang_over_hf": round(tps["sglang"] / tps["hf"], 3),
-                "weights_mb": round(megabytes, 2),
-                "update_from_disk_s_per_mb": round(updates["disk"] / megabytes, 5),
-                "update_distributed_s_per_mb": round(updates["distributed"] / megabytes, 5),
-                "ratio_distributed_over_disk": round(updates["distributed"] / updates["disk"], 3),
-                "batch": args.batch,
-                "n": args.n,
-                "prompt_len": args.prompt_len,
-                "new_tokens": args.new_tokens,
-                "vocab": args.vocab,
-                "repeats": args.repeats,
-                "torch_threads": torch.get_num_threads(),
-                "load_average_1m": round(os.getloadavg()[0], 2),
-            }
-        )
+    emit(
+        {
+            "sglang_tokens_per_s": round(tps["sglang"], 1),
+            "torch_engine_tokens_per_s": round(tps["torch_engine"], 1),
+            "hf_generate_tokens_per_s": round(tps["hf"], 1),
+            "ratio_sglang_over_torch_engine": round(tps["sglang"] / tps["torch_engine"], 3),
+            "ratio_sglang_over_hf": round(tps["sglang"] / tps["hf"], 3),
+            "weights_mb": round(megabytes, 2),
+            "update_from_disk_s_per_mb": round(updates["disk"] / megabytes, 5),
+            "update_distributed_s_per_mb": round(updates["distributed"] / megabytes, 5),
+            "ratio_distributed_over_disk": round(updates["distributed"] / updates["disk"], 3),
+            **{name: getattr(args, name) for name in ("batch", "n", "prompt_len", "new_tokens", "vocab", "repeats")},
+            "torch_threads": torch.get_num_threads(),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+        }
     )
 
 

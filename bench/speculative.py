@@ -13,7 +13,6 @@ and the acceptance rate (accepted drafts / drafted) per setting, and the head's 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from measure import emit  # noqa: E402
 from transformers import Qwen2ForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -117,7 +117,7 @@ def main() -> None:
                     }
                 )
     curve = {"first_10": sum(losses[:10]) / 10, "last_10": sum(losses[-10:]) / 10}
-    print(json.dumps({"args": vars(args), "sft_seconds": round(sft_s, 1), "mtp_loss": curve, "results": results}))
+    emit({"args": vars(args), "sft_seconds": round(sft_s, 1), "mtp_loss": curve, "results": results})
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@ python bench/trainer.py [--sequences 256] [--steps 5]
 """
 
 import argparse
-import json
 import random
 import tempfile
 import time
 
 import torch
+from measure import emit
 
 from miles_core.config import ModelConfig, RolloutConfig, TrainConfig
 from miles_core.models.tiny import build_tiny_model
@@ -56,20 +56,18 @@ def main() -> None:
             optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=args.group, temperature=1.0)), 0)
             times.append(time.perf_counter() - started)
     best = min(times)
-    print(
-        json.dumps(
-            {
-                "bench": "trainer",
-                "backend": "torch",
-                "sequences": args.sequences,
-                "tokens_per_step": tokens,
-                "step_s_best": round(best, 4),
-                "step_s_median": round(sorted(times)[len(times) // 2], 4),
-                "tokens_per_s": round(tokens / best, 1),
-                "torch_threads": torch.get_num_threads(),
-                "note": "one GRPO step = old-logprob recompute + forward/backward + AdamW",
-            }
-        )
+    emit(
+        {
+            "bench": "trainer",
+            "backend": "torch",
+            "sequences": args.sequences,
+            "tokens_per_step": tokens,
+            "step_s_best": round(best, 4),
+            "step_s_median": round(sorted(times)[len(times) // 2], 4),
+            "tokens_per_s": round(tokens / best, 1),
+            "torch_threads": torch.get_num_threads(),
+            "note": "one GRPO step = old-logprob recompute + forward/backward + AdamW",
+        }
     )
 
 
