@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-import flytekit
 import pandas as pd
 from flytekit import task
 from flytekit.types.directory import FlyteDirectory
@@ -36,21 +35,9 @@ def train_outputs(samples: list[Sample], tokenizer_dir: str, trace: dict, metric
     `dump_to` is (root, iteration, *inputs), the batch dumped with the step's advantages and trainer log-probs."""
     if int(os.environ.get("RANK", "0")) != 0:
         return None
-    _own_decks_only()
     frame = readable_frame(samples, AutoTokenizer.from_pretrained(tokenizer_dir), trace)
     batch_decks(frame, metrics)
     return dumped(frame, *dump_to) if dump_to else None
-
-
-def _own_decks_only() -> None:
-    """In a forked Elastic worker, forget the decks inherited from the process that forked it.
-
-    A forked worker starts with a copy of its parent's deck list, and flytekit's Elastic plugin (1.16) appends every deck
-    rank 0 returns to the parent's list: inherited decks would come back to the parent a second time. The worker's copy
-    is cleared so it returns only the decks it makes; on a cluster the pod's list starts empty and this changes nothing.
-    """
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torch's elastic agent in its workers
-        flytekit.current_context().decks.clear()
 
 
 @task(**cached(cache_version(RolloutConfig, module=__name__)), container_image=cpu_image, **declared("score"))

@@ -11,7 +11,9 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
 
+import flytekit
 import numpy as np
 import pandas as pd
 from flytekit import Deck
@@ -73,3 +75,15 @@ def _figure(panels: list[tuple[str, object]]) -> str:
     plt.close(fig)
     titles = ", ".join(html.escape(title) for title, _ in panels)
     return f'<p>histograms: {titles}</p><img alt="{titles}" src="data:image/png;base64,{base64.b64encode(png.getvalue()).decode()}">'
+
+
+def own_decks_only() -> None:
+    """In a forked Elastic worker, forget the decks inherited from the process that forked it.
+
+    A forked worker starts with a copy of its parent's deck list, and flytekit's Elastic plugin (1.16) appends every deck
+    rank 0 returns to the parent's list: inherited decks would come back to the parent again, doubling the list with
+    every Elastic task of a local run (convert, train, publish). Every worker clears its copy first, so it returns only
+    the decks it makes; on a cluster the pod's list starts empty and this changes nothing.
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torch's elastic agent in its workers
+        flytekit.current_context().decks.clear()

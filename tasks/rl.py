@@ -66,7 +66,7 @@ from tasks.common import (
     uri_of,
 )
 from tasks.debug import train_outputs
-from tasks.decks import DECKS, batch_decks
+from tasks.decks import DECKS, batch_decks, own_decks_only
 from tasks.elastic import elastic, resizable_task
 from tasks.metadata import DEFAULTS, cached, declared
 from tasks.retry import recoverable
@@ -88,6 +88,7 @@ def _forked_worker() -> None:
     # the worker is forked from a process whose OpenMP thread team already ran (libgomp is not fork-safe):
     # a new team would deadlock, so the worker computes on its one thread (one process per core here)
     torch.set_num_threads(1)
+    own_decks_only()  # the decks it returns are its own
 
 
 def _prompts(dataset_file, data: DataConfig):
