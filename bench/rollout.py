@@ -11,9 +11,7 @@ alternating. Prints one JSON object: one entry per batch size, and the process's
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -21,6 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from measure import emit  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -129,19 +128,16 @@ def main() -> None:
         engine = TorchEngine(policy_dir, max_batch_sequences=max(args.batch))
         hf_model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
     results = [compare(engine, hf_model, args, size) for size in args.batch]
-    print(
-        json.dumps(
-            {
-                "results": results,
-                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
-                "n": args.n,
-                "prompt_len": args.prompt_len,
-                "new_tokens": args.new_tokens,
-                "vocab": args.vocab,
-                "repeats": args.repeats,
-                "torch_threads": torch.get_num_threads(),
-            }
-        )
+    emit(
+        {
+            "results": results,
+            "n": args.n,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "vocab": args.vocab,
+            "repeats": args.repeats,
+            "torch_threads": torch.get_num_threads(),
+        }
     )
 
 

@@ -37,7 +37,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import subprocess
 import sys
 import sysconfig
@@ -45,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from measure import emit
 from runner import REPO, metric, mlflow_runs, run_workflow
 
 from miles_core.config import RunConfig, load_recipe
@@ -269,39 +269,35 @@ def main() -> None:
     start = ours[0]["accuracy"]
     targets = [start + t / 100 for t in args.targets]
     best = best_run(trl, targets)
-    usage = {who: resource.getrusage(getattr(resource, f"RUSAGE_{who.upper()}")).ru_maxrss / 1024 for who in ("self", "children")}
-    print(
-        json.dumps(
-            {
-                "bench": "vs_trl",
-                "recipe": args.recipe,
-                "trl_version": TRL_VERSION,
-                "step": {
-                    "prompts": cfg.rollout.prompts_per_step,
-                    "group_size": cfg.rollout.n_samples,
-                    "optimizer_steps": cfg.train.mini_batches,
-                    "max_new_tokens": cfg.rollout.max_new_tokens,
-                    "temperature": cfg.rollout.temperature,
-                    "clip": [cfg.algo.eps_clip_low, cfg.algo.eps_clip_high],
-                    "kl_coef": cfg.algo.kl_coef,
-                    "heldout_prompts": cfg.data.test_size,
-                },
-                "trl_settings": settings,
-                "ours_lr": cfg.train.lr,
-                "trl_lrs_tried": args.lrs,
-                "trl_best_lr": best,
-                "accuracy_start": {"ours": start, "trl": trl[best][0]["accuracy"]},
-                "targets_points": args.targets,
-                **comparison(ours, trl[best], targets),
-                "ours_curve": curve(ours),
-                "trl_curves": {str(lr): curve(points) for lr, points in trl.items()},
-                "curve_columns": ["iteration", "rl_s", "total_s", "accuracy"],
-                "trl_env_setup_s": round(setup_s, 1),
-                "bench_wall_s": round(time.monotonic() - started, 1),
-                "peak_rss_mib": {who: round(mib, 1) for who, mib in usage.items()},
-                "cpus": os.cpu_count(),
-            }
-        )
+    emit(
+        {
+            "bench": "vs_trl",
+            "recipe": args.recipe,
+            "trl_version": TRL_VERSION,
+            "step": {
+                "prompts": cfg.rollout.prompts_per_step,
+                "group_size": cfg.rollout.n_samples,
+                "optimizer_steps": cfg.train.mini_batches,
+                "max_new_tokens": cfg.rollout.max_new_tokens,
+                "temperature": cfg.rollout.temperature,
+                "clip": [cfg.algo.eps_clip_low, cfg.algo.eps_clip_high],
+                "kl_coef": cfg.algo.kl_coef,
+                "heldout_prompts": cfg.data.test_size,
+            },
+            "trl_settings": settings,
+            "ours_lr": cfg.train.lr,
+            "trl_lrs_tried": args.lrs,
+            "trl_best_lr": best,
+            "accuracy_start": {"ours": start, "trl": trl[best][0]["accuracy"]},
+            "targets_points": args.targets,
+            **comparison(ours, trl[best], targets),
+            "ours_curve": curve(ours),
+            "trl_curves": {str(lr): curve(points) for lr, points in trl.items()},
+            "curve_columns": ["iteration", "rl_s", "total_s", "accuracy"],
+            "trl_env_setup_s": round(setup_s, 1),
+            "bench_wall_s": round(time.monotonic() - started, 1),
+            "cpus": os.cpu_count(),
+        }
     )
 
 
