@@ -62,6 +62,7 @@ ui: setup
 bench: setup
 	$(PY) bench/rollout.py
 	$(PY) bench/trainer.py
+	$(PY) bench/contention.py
 	$(PY) bench/orchestration.py
 	$(PY) bench/async_vs_sync.py
 	$(PY) bench/precision.py

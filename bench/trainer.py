@@ -1,13 +1,27 @@
-"""Trainer throughput: GRPO steps of the torch backend on the default tiny model. Prints one JSON object.
+"""Trainer throughput and model FLOPs utilisation: GRPO steps of the torch backend on a Qwen2 model of ~12.6M
+parameters (built locally), in float32 and in bfloat16 (train.dtype), against the matmul peak measured in the same
+run. Prints one JSON object.
 
-python bench/trainer.py [--sequences 256] [--steps 5]
+One GRPO step = the old-log-prob recompute (a forward pass) + forward/backward of the loss + AdamW. Its model FLOPs,
+counted analytically over the T real tokens of sequences of length S (matrix products only, as in PaLM's MFU):
+    forward     = 2 N T + 4 n_layers d S T    (N: parameters, the tied embedding counted once as the output
+                                                projection; 4 n_layers d S T: the attention scores and their
+                                                weighted sum, d = heads x head_dim, not halved for causality)
+    step FLOPs  = 4 x forward                  (recompute 1x, forward + backward 3x)
+MFU = step FLOPs / step time / peak, the peak per dtype the best of a few large square torch.mm in that dtype.
+
+python bench/trainer.py [--sequences 128] [--steps 3] [--dtypes float32,bfloat16]
 """
 
 import argparse
+import dataclasses
 import random
 import tempfile
 import time
 
+import miles_core  # noqa: F401  first: its thread policy (miles_core/cpus.py) is in place before torch starts OpenMP
+
+# isort: split
 import torch
 from measure import emit
 
@@ -17,17 +31,20 @@ from miles_core.samples import Sample
 from miles_core.step import bind, optimize
 from miles_core.train.torch_backend import TorchTrainer
 
+MODEL = ModelConfig(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1536)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-def batch(n: int, group: int, rng: random.Random) -> list[Sample]:
-    """Addition-shaped samples: 14 prompt tokens, 4 response tokens, binary rewards."""
+
+def batch(n: int, group: int, rng: random.Random, prompt_len: int = 14, response_len: int = 4) -> list[Sample]:
+    """Addition-shaped samples (by default 14 prompt tokens, 4 response tokens), binary rewards."""
     return [
         Sample(
             f"p{i // group}",
             i % group,
-            [rng.randrange(3, 300) for _ in range(14)],
-            [rng.randrange(3, 300) for _ in range(3)] + [2],
-            [-1.0] * 4,
-            [1] * 4,
+            [rng.randrange(3, 300) for _ in range(prompt_len)],
+            [rng.randrange(3, 300) for _ in range(response_len - 1)] + [2],
+            [-1.0] * response_len,
+            [1] * response_len,
             "stop",
             0,
             "",
@@ -38,35 +55,86 @@ def batch(n: int, group: int, rng: random.Random) -> list[Sample]:
     ]
 
 
+def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048), repeats: int = 5) -> float:
+    """FLOP/s of the fastest of `repeats` square torch.mm per size, in `dtype`."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)
+        for _ in range(repeats):
+            started = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * n**3 / (time.perf_counter() - started))
+    return best
+
+
+def step_flops(model: torch.nn.Module, samples: list[Sample]) -> float:
+    """The model FLOPs of one GRPO step on `samples` (module docstring)."""
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    attention = 0
+    for s in samples:
+        length = len(s.prompt_tokens) + len(s.response_tokens)
+        attention += 4 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads) * length * length
+    tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
+    return 4 * (2 * params * tokens + attention)
+
+
+def time_steps(trainer: TorchTrainer, samples: list[Sample], group: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` GRPO steps after one warm-up step."""
+    fns = bind(rollout=RolloutConfig(n_samples=group, temperature=1.0))
+    optimize(trainer, samples, fns, 0)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        optimize(trainer, samples, fns, 0)
+        times.append(time.perf_counter() - started)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--sequences", type=int, default=128)
     parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--prompt-len", type=int, default=24)
+    parser.add_argument("--response-len", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--micro-batch-size", type=int, default=TrainConfig.micro_batch_size)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
-    rng = random.Random(0)
+    samples = batch(args.sequences, args.group, random.Random(0), args.prompt_len, args.response_len)
+    tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = TorchTrainer.from_hf(build_tiny_model(ModelConfig(), f"{tmp}/m"), TrainConfig())
-        samples = batch(args.sequences, args.group, rng)
-        tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-        optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=args.group, temperature=1.0)), 0)  # warm-up
-        times = []
-        for _ in range(args.steps):
-            started = time.perf_counter()
-            optimize(trainer, samples, bind(rollout=RolloutConfig(n_samples=args.group, temperature=1.0)), 0)
-            times.append(time.perf_counter() - started)
-    best = min(times)
+        model_dir = build_tiny_model(MODEL, f"{tmp}/m")
+        for name in args.dtypes.split(","):
+            trainer = TorchTrainer.from_hf(model_dir, TrainConfig(dtype=name, micro_batch_size=args.micro_batch_size))
+            flops = step_flops(trainer.model, samples)
+            times = time_steps(trainer, samples, args.group, args.steps)
+            peak = matmul_peak(DTYPES[name])
+            achieved = flops / min(times)
+            results[name] = {
+                "step_s_best": round(min(times), 4),
+                "step_s_median": round(sorted(times)[len(times) // 2], 4),
+                "tokens_per_s": round(tokens / min(times), 1),
+                "achieved_gflops": round(achieved / 1e9, 1),
+                "matmul_peak_gflops": round(peak / 1e9, 1),
+                "mfu": round(achieved / peak, 4),
+            }
     emit(
         {
             "bench": "trainer",
             "backend": "torch",
+            "model": {**dataclasses.asdict(MODEL), "parameters": sum(p.numel() for p in trainer.model.parameters())},
             "sequences": args.sequences,
+            "sequence_len": args.prompt_len + args.response_len,
             "tokens_per_step": tokens,
-            "step_s_best": round(best, 4),
-            "step_s_median": round(sorted(times)[len(times) // 2], 4),
-            "tokens_per_s": round(tokens / best, 1),
+            "micro_batch_size": args.micro_batch_size,
+            "step_gflops": round(flops / 1e9, 2),
+            "dtypes": results,
+            "mfu_goal_of_bf16_peak": 0.35,
             "torch_threads": torch.get_num_threads(),
-            "note": "one GRPO step = old-logprob recompute + forward/backward + AdamW",
+            "flops_formula": "4 x (2 N T + 4 n_layers d S T): recompute forward + forward/backward, matrix products only",
         }
     )
 

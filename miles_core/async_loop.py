@@ -40,6 +40,7 @@ import torch
 from miles_core import step
 from miles_core.async_buffer import SampleBuffer, draw_of, phase_summary
 from miles_core.config import AlgoConfig, AsyncConfig, HealthConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, TrainConfig
+from miles_core.cpus import usable_cpus
 from miles_core.data.source import DataState, Prompt
 from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine
@@ -136,6 +137,11 @@ def lease_fns(fns: StepFns, cfg: AsyncConfig) -> StepFns:
     return dataclasses.replace(fns, rollout=rollout, generate_fn=generate_fn)
 
 
+def actor_threads(cfg: AsyncConfig) -> int:
+    """An actor's torch threads: async_phase.threads_per_actor, at most the CPUs its process may use (miles_core/cpus.py)."""
+    return min(cfg.threads_per_actor, usable_cpus())
+
+
 class RolloutWorker:
     """A Ray actor (two threads: `run` generates, `update_weights` swaps weights between engine calls)."""
 
@@ -143,10 +149,11 @@ class RolloutWorker:
         import ray  # actors live in Ray worker processes
         from transformers import AutoTokenizer
 
-        torch.set_num_threads(spec.cfg.threads_per_actor)
+        threads = actor_threads(spec.cfg)
+        torch.set_num_threads(threads)
         self.index, self.spec, self.buffer = index, spec, buffer
         policy_dir = spec.transfer.fetch(spec.policy_dir)
-        self.engine = make_engine(spec.rollout, policy_dir, spec.version, num_threads=spec.cfg.threads_per_actor)
+        self.engine = make_engine(spec.rollout, policy_dir, spec.version, num_threads=threads)
         self.tokenizer = AutoTokenizer.from_pretrained(policy_dir)
         self.fns = lease_fns(spec_fns(spec), spec.cfg)
         self.lock, self.update_waiting = threading.Lock(), threading.Event()
@@ -210,7 +217,7 @@ class AsyncTrainer:
     def __init__(self, spec: PhaseSpec):
         from transformers import AutoTokenizer
 
-        torch.set_num_threads(spec.cfg.threads_per_actor)
+        torch.set_num_threads(actor_threads(spec.cfg))
         parallel = spec.train.tensor_parallel * spec.train.pipeline_parallel * spec.train.expert_parallel
         if spec.train.backend == "megatron" and parallel != 1:
             raise AsyncPhaseError(
