@@ -6,6 +6,10 @@ at temperature 1 with top_k=0 and top_p=1 and no stop tokens, so every sequence 
 alternating. Prints one JSON object: one entry per batch size, and the process's peak resident memory.
 
     .venv/bin/python bench/rollout.py [--batch 64 256 --n 4 --prompt-len 16 --new-tokens 32 --repeats 5 --threads 1]
+                                      [--device cuda --dtype bfloat16 --hidden 1024 --layers 8]
+
+Beside the speed, each batch size reports `greedy_rows_identical`: the share of rows where the engine's greedy
+tokens equal HF `generate`'s (greedy) on the same prompts, a check of the same output on any device.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from miles_core.rollout.base import SamplingParams  # noqa: E402
 from miles_core.rollout.engines.torch_engine import TorchEngine  # noqa: E402
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    parser.add_argument("--device", default="cpu", help="torch device of both sides: cpu, cuda, ...")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute of both sides")
     args = parser.parse_args()
     if any(size % args.n for size in args.batch):
         parser.error(f"--batch ({args.batch}) must be multiples of --n ({args.n})")
@@ -65,7 +73,13 @@ def build_model_dir(args: argparse.Namespace, root: str) -> str:
     return root
 
 
-def best_times(runs: dict, repeats: int) -> dict[str, tuple[float, int]]:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; the CPU needs no wait)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_times(runs: dict, repeats: int, device: torch.device) -> dict[str, tuple[float, int]]:
     """Warm up each run once, then alternate them `repeats` times (so load from other processes
     hits both alike) -> {name: (fastest seconds, generated tokens)}."""
     for run in runs.values():
@@ -73,8 +87,10 @@ def best_times(runs: dict, repeats: int) -> dict[str, tuple[float, int]]:
     best = {name: (float("inf"), 0) for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
+            synchronize(device)
             start = time.perf_counter()
             tokens = run()
+            synchronize(device)
             best[name] = (min(best[name][0], time.perf_counter() - start), tokens)
     return best
 
@@ -89,24 +105,27 @@ def compare(engine: TorchEngine, hf_model, args: argparse.Namespace, size: int) 
         out = engine.generate(prompts, params)
         return sum(len(g.tokens) for gens in out for g in gens)
 
-    expanded = torch.tensor([p for p in prompts for _ in range(args.n)], dtype=torch.long)  # [B, L]
+    expanded = torch.tensor([p for p in prompts for _ in range(args.n)], dtype=torch.long, device=engine.device)  # [B, L]
     mask = torch.ones_like(expanded)
 
-    def run_hf() -> int:
+    def hf_generate(sample: bool) -> torch.Tensor:
         with torch.inference_mode():
             out = hf_model.generate(
                 input_ids=expanded,
                 attention_mask=mask,
-                do_sample=True,
+                do_sample=sample,
                 temperature=1.0,
                 top_k=0,
                 top_p=1.0,
                 max_new_tokens=args.new_tokens,
                 pad_token_id=0,
             )
-        return out[:, expanded.shape[1] :].numel()
+        return out[:, expanded.shape[1] :]
 
-    best = best_times({"engine": run_engine, "hf": run_hf}, args.repeats)
+    greedy = engine.generate(prompts, SamplingParams(n=args.n, temperature=0.0, max_new_tokens=args.new_tokens))
+    hf_greedy = hf_generate(sample=False).tolist()
+    identical = sum(g.tokens == hf_greedy[i * args.n + j] for i, gens in enumerate(greedy) for j, g in enumerate(gens))
+    best = best_times({"engine": run_engine, "hf": lambda: hf_generate(sample=True).numel()}, args.repeats, engine.device)
     (engine_s, engine_tokens), (hf_s, hf_tokens) = best["engine"], best["hf"]
     engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
     return {
@@ -114,6 +133,7 @@ def compare(engine: TorchEngine, hf_model, args: argparse.Namespace, size: int) 
         "engine_tokens_per_s": round(engine_tps, 1),
         "hf_generate_tokens_per_s": round(hf_tps, 1),
         "ratio_engine_over_hf": round(engine_tps / hf_tps, 3),
+        "greedy_rows_identical": round(identical / size, 3),
     }
 
 
@@ -125,8 +145,8 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as root:
         policy_dir = build_model_dir(args, root)
-        engine = TorchEngine(policy_dir, max_batch_sequences=max(args.batch))
-        hf_model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+        engine = TorchEngine(policy_dir, max_batch_sequences=max(args.batch), dtype=DTYPES[args.dtype], device=args.device)
+        hf_model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=DTYPES[args.dtype]).to(args.device).eval()
     results = [compare(engine, hf_model, args, size) for size in args.batch]
     emit(
         {
@@ -135,6 +155,11 @@ def main() -> None:
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
             "vocab": args.vocab,
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "parameters": sum(p.numel() for p in hf_model.parameters()),
+            "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
+            "dtype": args.dtype,
             "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(),
         }

@@ -11,25 +11,30 @@ counted analytically over the T real tokens of sequences of length S (matrix pro
 MFU = step FLOPs / step time / peak, the peak per dtype the best of a few large square torch.mm in that dtype.
 
 python bench/trainer.py [--sequences 128] [--steps 3] [--dtypes float32,bfloat16]
+python bench/trainer.py --device cuda --hidden 2048 --layers 16 --sequences 256 --micro-batch-size 64 --prompt-len 192 --response-len 64
 """
 
 import argparse
 import dataclasses
+import os
 import random
+import sys
 import tempfile
 import time
 
-import miles_core  # noqa: F401  first: its thread policy (miles_core/cpus.py) is in place before torch starts OpenMP
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout without the project installed (a GPU machine)
+
+import miles_core  # noqa: E402, F401  first: its thread policy (miles_core/cpus.py) is in place before torch starts OpenMP
 
 # isort: split
-import torch
-from measure import emit
+import torch  # noqa: E402
+from measure import emit  # noqa: E402
 
-from miles_core.config import ModelConfig, RolloutConfig, TrainConfig
-from miles_core.models.tiny import build_tiny_model
-from miles_core.samples import Sample
-from miles_core.step import bind, optimize
-from miles_core.train.torch_backend import TorchTrainer
+from miles_core.config import ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
+from miles_core.models.tiny import build_tiny_model  # noqa: E402
+from miles_core.samples import Sample  # noqa: E402
+from miles_core.step import bind, optimize  # noqa: E402
+from miles_core.train.torch_backend import TorchTrainer  # noqa: E402
 
 MODEL = ModelConfig(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1536)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -55,15 +60,23 @@ def batch(n: int, group: int, rng: random.Random, prompt_len: int = 14, response
     ]
 
 
-def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048), repeats: int = 5) -> float:
-    """FLOP/s of the fastest of `repeats` square torch.mm per size, in `dtype`."""
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; the CPU needs no wait)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
+    """FLOP/s of the fastest of `repeats` square torch.mm per size, in `dtype` (sizes 1024, 2048; 4096, 8192 on a GPU)."""
     best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for n in (1024, 2048) if device.type == "cpu" else (4096, 8192):
+        a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
         torch.mm(a, b)
         for _ in range(repeats):
+            synchronize(device)
             started = time.perf_counter()
             torch.mm(a, b)
+            synchronize(device)
             best = max(best, 2 * n**3 / (time.perf_counter() - started))
     return best
 
@@ -86,8 +99,10 @@ def time_steps(trainer: TorchTrainer, samples: list[Sample], group: int, steps: 
     optimize(trainer, samples, fns, 0)
     times = []
     for _ in range(steps):
+        synchronize(trainer.device)
         started = time.perf_counter()
         optimize(trainer, samples, fns, 0)
+        synchronize(trainer.device)
         times.append(time.perf_counter() - started)
     return times
 
@@ -101,17 +116,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--micro-batch-size", type=int, default=TrainConfig.micro_batch_size)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ...")
+    parser.add_argument("--hidden", type=int, default=MODEL.hidden_size, help="hidden size (heads of 64, 3x MLP, kv heads half)")
+    parser.add_argument("--layers", type=int, default=MODEL.num_layers)
     args = parser.parse_args()
+    model = dataclasses.replace(
+        MODEL, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64, num_kv_heads=args.hidden // 128, intermediate_size=3 * args.hidden
+    )
+    device = torch.device(args.device)
     samples = batch(args.sequences, args.group, random.Random(0), args.prompt_len, args.response_len)
     tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(MODEL, f"{tmp}/m")
+        model_dir = build_tiny_model(model, f"{tmp}/m")
         for name in args.dtypes.split(","):
-            trainer = TorchTrainer.from_hf(model_dir, TrainConfig(dtype=name, micro_batch_size=args.micro_batch_size))
+            trainer = TorchTrainer.from_hf(model_dir, TrainConfig(dtype=name, micro_batch_size=args.micro_batch_size), device=args.device)
             flops = step_flops(trainer.model, samples)
             times = time_steps(trainer, samples, args.group, args.steps)
-            peak = matmul_peak(DTYPES[name])
+            peak = matmul_peak(DTYPES[name], device)
             achieved = flops / min(times)
             results[name] = {
                 "step_s_best": round(min(times), 4),
@@ -125,7 +147,8 @@ def main() -> None:
         {
             "bench": "trainer",
             "backend": "torch",
-            "model": {**dataclasses.asdict(MODEL), "parameters": sum(p.numel() for p in trainer.model.parameters())},
+            "model": {**dataclasses.asdict(model), "parameters": sum(p.numel() for p in trainer.model.parameters())},
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "sequences": args.sequences,
             "sequence_len": args.prompt_len + args.response_len,
             "tokens_per_step": tokens,

@@ -30,8 +30,8 @@ from miles_core.step import bind
 class HeldOut(TrainerCallback):
     """Held-out accuracy at the start, every `every` optimizer steps and at the last, the trainer's clock paused."""
 
-    def __init__(self, cfg, tokenizer, test_file: str, every: int, points_file: str, scored: list[int], policy_dir: str):
-        self.cfg, self.tokenizer, self.every, self.points_file, self.scored = cfg, tokenizer, every, points_file, scored
+    def __init__(self, cfg, tokenizer, test_file: str, every: int, points_file: str, scored: list[int], policy_dir: str, device: str):
+        self.cfg, self.tokenizer, self.every, self.points_file, self.scored, self.device = cfg, tokenizer, every, points_file, scored, device
         self.prompts, self.policy_dir = prompts_of(test_file, cfg), policy_dir
         self.fns = bind(rollout=cfg.rollout, reward=cfg.reward, evaluation=cfg.evaluation)
         tokenizer.save_pretrained(policy_dir)
@@ -48,7 +48,7 @@ class HeldOut(TrainerCallback):
     def _evaluate(self, step: int, model) -> None:
         paused, wall = time.perf_counter(), time.time()
         model.save_pretrained(self.policy_dir)
-        engine = make_engine(self.cfg.rollout, self.policy_dir, step, max_batch_sequences=self.cfg.evaluation.batch_size)
+        engine = make_engine(self.cfg.rollout, self.policy_dir, step, max_batch_sequences=self.cfg.evaluation.batch_size, device=self.device)
         accuracy = self.fns.evaluate_fn(engine, self.prompts, self.tokenizer, self.fns)["eval/accuracy"]
         point = {"step": step, "completions": self.scored[0], "rl_s": paused - self.began - self.paused_s, "wall": wall, "paused_s": self.paused_s}
         with open(self.points_file, "a") as out:
@@ -87,7 +87,7 @@ def main(job_file: str) -> None:
             output_dir=out,
             learning_rate=job["learning_rate"],
             max_steps=job["max_steps"],
-            use_cpu=True,
+            use_cpu=job["device"] == "cpu",
             report_to="none",
             save_strategy="no",
             logging_steps=job["eval_steps"],
@@ -101,7 +101,7 @@ def main(job_file: str) -> None:
             args=args,
             train_dataset=Dataset.from_list(rows),
             processing_class=tokenizer,
-            callbacks=[HeldOut(cfg, tokenizer, job["test_file"], job["eval_steps"], job["points_file"], scored, str(Path(out) / "policy"))],
+            callbacks=[HeldOut(cfg, tokenizer, job["test_file"], job["eval_steps"], job["points_file"], scored, str(Path(out) / "policy"), job["device"])],
         )
         trainer.train()
 

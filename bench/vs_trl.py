@@ -29,6 +29,14 @@ at the same time on each clock, the time the side that stopped first stopped.
 
     python bench/vs_trl.py [--recipe recipes/tiny_arith_cpu.yaml] [--iterations 8] [--trl-steps 24] [--lrs ...] [--root DIR]
     python bench/vs_trl.py --smoke    # the smoke recipe, a few steps, one learning rate: a few minutes
+
+On a machine without the workflow's stack (a GPU machine with torch and transformers alone), ours runs in the
+benchmark's process from an SFT start prepared where the workflow runs:
+    python bench/vs_trl.py --prepare DIR                                # here: the SFT start and the data, into DIR
+    python bench/vs_trl.py --prepared DIR --device cuda --trl-python python3   # there: both sides on the GPU
+In that mode ours is the sync loop's step (`miles_core.step.run_step`, then the new weights into the engine in memory)
+with no Flyte: rl_s is each step's wall time, total_s runs from the start of loading (engine, trainer, data) to each
+evaluation, less the evaluations. `--trl-python` names an interpreter that already has TRL (no package registry there).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -44,10 +53,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from measure import emit
-from runner import REPO, metric, mlflow_runs, run_workflow
+from transformers import AutoTokenizer
 
 from miles_core.config import RunConfig, load_recipe
+from miles_core.data.source import DataState, load_prompts
+from miles_core.plugins import plugin
+from miles_core.rollout.engines import make_engine
+from miles_core.step import bind, run_step
+from miles_core.train.torch_backend import TorchTrainer
+
+REPO = Path(__file__).resolve().parents[1]
 
 TRL_REQUIREMENTS = Path(__file__).with_name("trl_requirements.txt")
 TRL_VERSION = next(line.split("==")[1].split()[0] for line in TRL_REQUIREMENTS.read_text().splitlines() if line.startswith("trl=="))
@@ -180,9 +197,11 @@ def best_run(runs: dict[float, list[dict]], targets: list[float]) -> float:
     return min(runs, key=rank)
 
 
-def our_run(recipe: str, tmp: Path, iterations: int, interval: int) -> tuple[list[dict], dict, RunConfig]:
-    """The workflow's evaluation points (after a preparing run that leaves the SFT start in the Flyte cache), the run's
-    SFT start and data files, and its config."""
+def sft_start(recipe: str, tmp: Path) -> dict:
+    """A one-iteration run with other rollout and train seeds, which leaves the SFT start in the Flyte cache -> that
+    start's directory and the run's train and test files."""
+    from runner import mlflow_runs, run_workflow  # the workflow's stack (Flyte, MLflow): not on a machine that runs --prepared
+
     cfg = load_recipe(recipe)
     root = tmp / "runs"
     seeds = {"rollout.seed": str(cfg.rollout.seed), "train.seed": str(cfg.train.seed)}
@@ -190,10 +209,21 @@ def our_run(recipe: str, tmp: Path, iterations: int, interval: int) -> tuple[lis
         raise SystemExit(f"{root}: a run with the measured rollout and train seeds ran there, its iterations would be cache hits: use another --root")
     print("ours: preparing the SFT start (a one-iteration run with other rollout and train seeds)", file=sys.stderr, flush=True)
     run_workflow(recipe, root, str(tmp), "iterations=1", f"rollout.seed={cfg.rollout.seed + 1}", f"train.seed={cfg.train.seed + 1}")
+    run = max(mlflow_runs(root)[1], key=lambda r: r.info.start_time)
+    start_dir = run.data.tags["parent_policy_dir"]
+    data_dir = Path(start_dir).parents[1] / "data"
+    return {"start_dir": start_dir, **{f"{split}_file": str(next(data_dir.glob(f"*/{split}.jsonl"))) for split in ("train", "test")}}
+
+
+def our_run(recipe: str, tmp: Path, iterations: int, interval: int) -> tuple[list[dict], dict]:
+    """The workflow's evaluation points (after `sft_start`, so the start is a cache hit) and the SFT start's files."""
+    from runner import metric, mlflow_runs, run_workflow
+
+    files = sft_start(recipe, tmp)
     print(f"ours: the measured run, {iterations} iterations", file=sys.stderr, flush=True)
     launched = time.time()
-    run_workflow(recipe, root, str(tmp), f"iterations={iterations}", f"evaluation.interval={interval}")
-    client, runs = mlflow_runs(root)
+    run_workflow(recipe, tmp / "runs", str(tmp), f"iterations={iterations}", f"evaluation.interval={interval}")
+    client, runs = mlflow_runs(tmp / "runs")
     run = max(runs, key=lambda r: r.info.start_time)
     series = {k: metric(client, run, k) for k in ("eval_accuracy", "time_evaluate_s", "time_logged_at", "time_rollout_s", "time_score_s", "time_train_s")}
     points, rl_s, evaluating = [], 0.0, 0.0
@@ -203,10 +233,54 @@ def our_run(recipe: str, tmp: Path, iterations: int, interval: int) -> tuple[lis
             total_s = series["time_logged_at"][step] - launched - evaluating - series["time_evaluate_s"][step] if step else 0.0
             evaluating += series["time_evaluate_s"][step]
             points.append({"iteration": step, "rl_s": rl_s, "total_s": total_s, "accuracy": series["eval_accuracy"][step]})
-    start_dir = run.data.tags["parent_policy_dir"]
-    data_dir = Path(start_dir).parents[1] / "data"
-    files = {"start_dir": start_dir, **{f"{split}_file": str(next(data_dir.glob(f"*/{split}.jsonl"))) for split in ("train", "test")}}
-    return points, files, cfg
+    return points, files
+
+
+def prepared_files(directory: Path) -> dict:
+    """The SFT start and data that `--prepare` copied into `directory`."""
+    return {"start_dir": str(directory / "start"), "train_file": str(directory / "train.jsonl"), "test_file": str(directory / "test.jsonl")}
+
+
+def prepare(recipe: str, tmp: Path, out: Path) -> None:
+    """`sft_start`'s directory and files copied into `out`, for `--prepared` on another machine."""
+    files = sft_start(recipe, tmp)
+    shutil.copytree(files["start_dir"], out / "start", dirs_exist_ok=True)
+    for split in ("train", "test"):
+        shutil.copyfile(files[f"{split}_file"], out / f"{split}.jsonl")
+    print(f"prepared {recipe} in {out}: {', '.join(sorted(p.name for p in out.iterdir()))}", file=sys.stderr)
+
+
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def in_process_run(cfg: RunConfig, files: dict, iterations: int, interval: int, device: str) -> list[dict]:
+    """Ours without Flyte (module docstring): evaluation points of the sync loop's steps in this process, the engine and
+    the trainer on `device`."""
+    launched = time.perf_counter()
+    start = files["start_dir"]
+    engine = make_engine(cfg.rollout, start, 0, device=device)
+    trainer = TorchTrainer.from_hf(start, cfg.train, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    train, held_out = (load_prompts(files[f"{split}_file"], cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key) for split in ("train", "test"))
+    source = plugin(cfg.data, "data", "source_fn")(train, cfg.data.seed, DataState())
+    fns = bind(rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, hooks=cfg.hooks, evaluation=cfg.evaluation)
+    points, buffer, rl_s, evaluating = [], [], 0.0, 0.0
+    for step in range(iterations + 1):
+        if step % interval == 0 or step == iterations:
+            paused = time.perf_counter()
+            accuracy = fns.evaluate_fn(engine, held_out, tokenizer, fns)["eval/accuracy"]
+            points.append({"iteration": step, "rl_s": rl_s, "total_s": paused - launched - evaluating, "accuracy": accuracy})
+            evaluating += time.perf_counter() - paused
+            print(f"ours step {step}: held-out accuracy {accuracy:.3f}", file=sys.stderr, flush=True)
+        if step < iterations:
+            began = time.perf_counter()
+            _, buffer, _ = run_step(engine, source, tokenizer, fns, trainer, buffer, step)
+            engine.load_state_dict(trainer.hf_state_dict(), step + 1)
+            synchronize(device)
+            rl_s += time.perf_counter() - began
+    return points
 
 
 def trl_run(python: Path, job: dict, tmp: Path) -> list[dict]:
@@ -240,7 +314,13 @@ def parse_args() -> argparse.Namespace:
         help="run root and Flyte home kept between runs: its cached SFT start is reused, a root where the measured run already ran is refused (default: a fresh one)",
     )
     parser.add_argument("--smoke", action="store_true", help="recipes/smoke.yaml, 2 iterations, 4 TRL steps, one learning rate")
+    parser.add_argument("--prepare", default="", help="only write the SFT start and the data into this directory (for --prepared elsewhere)")
+    parser.add_argument("--prepared", default="", help="a --prepare directory: ours runs in this process from it, without Flyte")
+    parser.add_argument("--device", default="cpu", help="torch device of both sides (not cpu: needs --prepared)")
+    parser.add_argument("--trl-python", default="", help="an interpreter that has TRL (default: TRL's environment, set up here)")
     args = parser.parse_args()
+    if args.device != "cpu" and not args.prepared:
+        parser.error("--device other than cpu runs ours in this process: give --prepared DIR (written by --prepare DIR where the workflow runs)")
     if args.smoke:
         args.recipe, args.iterations, args.trl_steps, args.lrs = "recipes/smoke.yaml", 2, 4, [5e-4]
     return args
@@ -249,11 +329,18 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     started = time.monotonic()
-    python, setup_s = trl_env()
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.root).resolve() if args.root else Path(scratch)
-        ours, files, cfg = our_run(args.recipe, tmp, args.iterations, args.eval_interval)
+        if args.prepare:
+            return prepare(args.recipe, tmp, Path(args.prepare).resolve())
+        python, setup_s = (Path(args.trl_python), 0.0) if args.trl_python else trl_env()
+        cfg = load_recipe(args.recipe)
         settings = trl_settings(cfg)
+        if args.prepared:
+            files = prepared_files(Path(args.prepared).resolve())
+            ours = in_process_run(cfg, files, args.iterations, args.eval_interval, args.device)
+        else:
+            ours, files = our_run(args.recipe, tmp, args.iterations, args.eval_interval)
         job = {
             **files,
             "recipe": str(REPO / args.recipe),
@@ -261,6 +348,7 @@ def main() -> None:
             "max_steps": args.trl_steps,
             "eval_steps": settings["steps_per_generation"] * args.eval_interval,
             "completions_per_batch": cfg.rollout.prompts_per_step * cfg.rollout.n_samples,
+            "device": args.device,
         }
         trl = {}
         for lr in args.lrs:
@@ -297,6 +385,8 @@ def main() -> None:
             "trl_env_setup_s": round(setup_s, 1),
             "bench_wall_s": round(time.monotonic() - started, 1),
             "cpus": os.cpu_count(),
+            "ours_mode": "in process, no Flyte (--prepared)" if args.prepared else "pyflyte run",
+            "device": torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu",
         }
     )
 

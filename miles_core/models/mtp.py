@@ -76,7 +76,7 @@ class HeadCache:
 def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """RoPE (rotate-half) of x [B, heads, S, d] at positions [B, S]."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32) / half)  # [d/2]
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)  # [d/2]
     angles = positions[:, None, :, None].float() * inv_freq  # [B, 1, S, d/2]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
@@ -103,18 +103,18 @@ class MtpBlock(nn.Module):
         if cache is not None:
             k, v = cache.extend(k, v)
         past = k.shape[2] - S
-        causal = torch.ones(S, k.shape[2], dtype=torch.bool).tril(diagonal=past)  # [S, K]
+        causal = torch.ones(S, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=past)  # [S, K]
         visible = causal & key_mask[:, None, None, :].bool()  # [B, 1, S, K]
-        visible = visible | _diagonal(S, k.shape[2], past)  # a left-pad query sees itself (no empty softmax row)
+        visible = visible | _diagonal(S, k.shape[2], past, x.device)  # a left-pad query sees itself (no empty softmax row)
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)  # [B, heads, S, d]
         x = x + self.out(attended.transpose(1, 2).reshape(B, S, H))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
-def _diagonal(queries: int, keys: int, past: int) -> torch.Tensor:
+def _diagonal(queries: int, keys: int, past: int, device: torch.device) -> torch.Tensor:
     """[Q, K] true where query i meets its own key (past + i)."""
-    return torch.arange(keys)[None, :] == (past + torch.arange(queries))[:, None]
+    return torch.arange(keys, device=device)[None, :] == (past + torch.arange(queries, device=device))[:, None]
 
 
 class MtpHead(nn.Module):

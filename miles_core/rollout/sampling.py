@@ -47,10 +47,11 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     if whole < vocab:
         masses = torch.cat([masses, weights[:, whole:].sum(-1, keepdim=True)], dim=-1)  # [B, nb]
     block_cdf = masses.cumsum(dim=-1, dtype=torch.float64)  # [B, nb]
-    target = torch.rand((rows, 1), generator=generator, dtype=torch.float64) * block_cdf[:, -1:]  # [B, 1]
+    uniform = torch.rand((rows, 1), generator=generator, dtype=torch.float64).to(weights.device)  # a CPU generator on any device
+    target = uniform * block_cdf[:, -1:]  # [B, 1]
     block = torch.searchsorted(block_cdf, target, right=True).minimum(_last_weighted(block_cdf))  # [B, 1]
     below = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp_(min=0)), 0.0)  # [B, 1] mass before the block
-    index = block * BLOCK + torch.arange(BLOCK)  # [B, BLOCK]
+    index = block * BLOCK + torch.arange(BLOCK, device=weights.device)  # [B, BLOCK]
     inside = weights.gather(-1, index.clamp(max=vocab - 1)).masked_fill_(index >= vocab, 0.0)  # [B, BLOCK]
     inner_cdf = inside.cumsum(dim=-1, dtype=torch.float64)  # [B, BLOCK]
     within = (target - below) * (inner_cdf[:, -1:] / (block_cdf.gather(-1, block) - below))  # [B, 1] on the inner scale

@@ -79,11 +79,12 @@ class Speculator:
         """Left-padded [B, L] prompts -> (new tokens [B, S], log-probs [B, S], drafted [B], accepted [B]), S <= max_new_tokens.
 
         As the ordinary loop: rows that hit a stop token emit pad ids until every row has stopped."""
-        batch, budget = input_ids.shape[0], params.max_new_tokens
-        tokens = torch.full((batch, budget), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros((batch, budget))
-        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long)
-        finished, drafted, accepted = torch.zeros(batch, dtype=torch.bool), torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+        (batch, budget), device = (input_ids.shape[0], params.max_new_tokens), input_ids.device
+        tokens = torch.full((batch, budget), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((batch, budget), device=device)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        drafted, accepted = torch.zeros(batch, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long, device=device)
         tap = HiddenTap(self.model)
         try:
             state, logprobs[:, 0] = self._prefill(tap, input_ids, attention_mask, params, generator)
@@ -118,7 +119,8 @@ class Speculator:
         """k drafts [B, k] and the distributions they were drawn from [B, k, V]; the head first reads the pending
         policy hidden states, then chains its own output. The chained positions stay in its cache until `_verify`."""
         if k == 0:  # the budget's last token: no head pass (the loop ends after this round)
-            return torch.zeros((state.token.shape[0], 0), dtype=torch.long), torch.zeros((state.token.shape[0], 0, 1))
+            rows, device = state.token.shape[0], state.token.device
+            return torch.zeros((rows, 0), dtype=torch.long, device=device), torch.zeros((rows, 0, 1), device=device)
         g = self.head(state.pending_hidden, self.embed(state.pending_next), state.pending_positions, state.attention_mask, state.head_cache)[:, -1:]
         drafts, qs, position, key_mask = [], [], state.last_position, state.attention_mask
         for _ in range(k):
@@ -137,11 +139,12 @@ class Speculator:
         batch, k = drafts.shape
         fed_before = state.attention_mask.shape[1]  # the head has read them all (`_draft`); its chained positions follow
         feed = torch.cat([state.token[:, None], drafts], dim=1)  # [B, k + 1]
-        positions = state.last_position + torch.arange(1, k + 2)  # [B, k + 1]
+        positions = state.last_position + torch.arange(1, k + 2, device=feed.device)  # [B, k + 1]
         mask = torch.cat([state.attention_mask, torch.ones_like(feed)], dim=1)
         out = self.model(input_ids=feed, attention_mask=mask, position_ids=positions, past_key_values=state.cache, use_cache=True, logits_to_keep=k + 1)
         p, logp = warped_probs(out.logits, params), policy_logprobs(out.logits, params)  # [B, k + 1, V]
-        passed = torch.rand((batch, k), generator=generator) * _pick(q, drafts) < _pick(p[:, :k], drafts)  # accept w.p. min(1, p/q)
+        uniform = torch.rand((batch, k), generator=generator).to(feed.device)  # the CPU stream, as `draw`'s
+        passed = uniform * _pick(q, drafts) < _pick(p[:, :k], drafts)  # accept w.p. min(1, p/q)
         row_accepted = passed.long().cumprod(dim=1).sum(dim=1)  # [B]
         m = int(row_accepted.masked_fill(finished, k).min())
         if m < k:

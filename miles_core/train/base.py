@@ -50,6 +50,9 @@ class PackedBatch:
     def select(self, rows: slice) -> PackedBatch:
         return PackedBatch(*(None if t is None else t[rows] for t in self.__dict__.values()))
 
+    def to(self, device: torch.device) -> PackedBatch:
+        return PackedBatch(*(None if t is None else t.to(device) for t in self.__dict__.values()))
+
 
 def pack(samples: list[Sample], pad_id: int) -> PackedBatch:
     B = len(samples)

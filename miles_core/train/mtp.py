@@ -67,10 +67,11 @@ class MtpTrainer:
         holds none; None when train.mtp_lr is 0 or the model has no LM head to share (a value model: PPO's critic)."""
         if cfg.mtp_lr == 0 or model.get_output_embeddings() is None:
             return None
-        trainer = cls(load_head(source_dir) if has_head(source_dir) else build_head(model.config, cfg.seed), cfg)
+        head = load_head(source_dir) if has_head(source_dir) else build_head(model.config, cfg.seed)
+        trainer = cls(head.to(model.device), cfg)
         optimizer_file = Path(source_dir) / MTP_OPTIMIZER
         if optimizer_file.exists():
-            trainer.optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
+            trainer.optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
         return trainer
 
     def train_on(self, model: torch.nn.Module, batch: PackedBatch) -> dict[str, float]:

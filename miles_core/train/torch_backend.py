@@ -57,9 +57,10 @@ def _rows_of(rank: int, world: int, n: int) -> slice:
 
 
 class TorchTrainer(TrainerBase):
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, step: int = 0):
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, step: int = 0, device: str = "cpu"):
         join_process_group()
-        self.model = with_adapters(model.float().train(), cfg.lora)
+        self.device = torch.device(device)  # the model's and each pass's; batches arrive, and log-probs leave, on the CPU
+        self.model = with_adapters(model.float().to(self.device).train(), cfg.lora)
         self.cfg = cfg
         self.step = step
         if cfg.qat:  # the forward computes with the int4 weights the published policy holds (train/qat.py)
@@ -76,26 +77,26 @@ class TorchTrainer(TrainerBase):
         return load_causal_lm(path, torch.float32)
 
     @classmethod
-    def from_hf(cls, policy_dir: str, cfg: TrainConfig) -> TorchTrainer:
+    def from_hf(cls, policy_dir: str, cfg: TrainConfig, device: str = "cpu") -> TorchTrainer:
         torch.manual_seed(cfg.seed)
-        trainer = cls(cls.load_model(policy_dir), cfg)
+        trainer = cls(cls.load_model(policy_dir), cfg, device=device)
         trainer.mtp = MtpTrainer.for_policy(trainer.model, policy_dir, cfg)
         return trainer
 
     @classmethod
-    def load(cls, ckpt_dir: str, cfg: TrainConfig, base_dir: str | None = None) -> TorchTrainer:
+    def load(cls, ckpt_dir: str, cfg: TrainConfig, base_dir: str | None = None, device: str = "cpu") -> TorchTrainer:
         """The trainer saved in ckpt_dir; a LoRA checkpoint's adapter goes onto the base model of base_dir."""
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text())
         if is_adapter_dir(ckpt_dir) != bool(cfg.lora.rank):
             raise ValueError(f"{ckpt_dir}: {'an adapter' if is_adapter_dir(ckpt_dir) else 'a full model'} checkpoint, and train.lora.rank is {cfg.lora.rank}")
         if cfg.lora.rank and base_dir is None:
             raise ValueError(f"{ckpt_dir}: a LoRA checkpoint holds the adapter alone: the base model's directory is needed to load it")
-        trainer = cls(cls.load_model(base_dir if cfg.lora.rank else ckpt_dir), cfg, step=state["step"])
+        trainer = cls(cls.load_model(base_dir if cfg.lora.rank else ckpt_dir), cfg, step=state["step"], device=device)
         if cfg.lora.rank:
             load_adapter_state(trainer.model, ckpt_dir)
         optim_file = Path(ckpt_dir) / "optimizer.pt"
         if optim_file.exists():  # a freshly converted checkpoint has no optimizer state yet
-            trainer.optimizer.load_state_dict(torch.load(optim_file, weights_only=True))
+            trainer.optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=True))  # moved to the parameters' device
         trainer.mtp = MtpTrainer.for_policy(trainer.model, ckpt_dir, cfg)
         torch.set_rng_state(torch.load(Path(ckpt_dir) / "rng.pt", weights_only=True))
         return trainer
@@ -126,7 +127,7 @@ class TorchTrainer(TrainerBase):
         """The policy's update (TrainerBase.train_on), then the draft head's step on the same batch, when it has one."""
         metrics = super().train_on(batch, extras, loss_fn, temperature, lr, weights_fn)
         if self.mtp is not None:
-            metrics.update(self.mtp.train_on(self.model, batch))
+            metrics.update(self.mtp.train_on(self.model, batch.to(self.device)))
         return metrics
 
     def _forward(self, batch: PackedBatch, temperature: float, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -143,8 +144,7 @@ class TorchTrainer(TrainerBase):
 
     def _compute_precision(self) -> torch.autocast:
         """The context of every forward pass: bf16 autocast when train.dtype is bfloat16, else a no-op."""
-        device = next(self.model.parameters()).device.type
-        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16")
 
     def _replaying(self, batch: PackedBatch):
         """The rollout's experts forced on the batch's positions where it carries routing (R3), else nothing."""
@@ -162,9 +162,9 @@ class TorchTrainer(TrainerBase):
     def logprobs(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
         if self.taps is not None:
             self.taps.agreement = (0.0, 0.0)  # routing_metrics: of this pass
-        step = self.cfg.micro_batch_size
+        step, batch = self.cfg.micro_batch_size, batch.to(self.device)
         with self._compute_precision():
-            return torch.cat([self._forward(batch.select(slice(i, i + step)), temperature, entropy=False)[0] for i in range(0, len(batch), step)])
+            return torch.cat([self._forward(batch.select(slice(i, i + step)), temperature, entropy=False)[0] for i in range(0, len(batch), step)]).cpu()
 
     def _backward(self, mini: PackedBatch, weights: torch.Tensor, extras: dict, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         """This process's rows of the mini-batch in micro-batches; with several processes the gradients
@@ -172,7 +172,7 @@ class TorchTrainer(TrainerBase):
         mini-batch's gradient)."""
         rank, world = _data_parallel()
         rows = _rows_of(rank, world, len(mini))
-        mini, weights, extras = mini.select(rows), weights[rows], {k: v[rows] for k, v in extras.items()}
+        mini, weights, extras = mini.select(rows).to(self.device), weights[rows].to(self.device), {k: v[rows].to(self.device) for k, v in extras.items()}
         sums: dict[str, float] = {}
         for start in range(0, len(mini), self.cfg.micro_batch_size):
             micro_rows = slice(start, start + self.cfg.micro_batch_size)

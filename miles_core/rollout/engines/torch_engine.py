@@ -87,7 +87,7 @@ def _distinct(prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
 
 
 class TorchEngine:
-    """RolloutEngine on a transformers causal LM in this process (CPU, fp32 by default).
+    """RolloutEngine on a transformers causal LM in this process (CPU, fp32 by default; `device` another torch device).
 
     policy_dir: HF weight directory (config.json + safetensors).
     version: weight version of `policy_dir`.
@@ -98,6 +98,8 @@ class TorchEngine:
     base_dir: the HF base model a LoRA policy's adapter applies to (None: every version holds full weights).
     speculative_tokens: tokens the policy's MTP draft head (mtp.json beside its weights) drafts per forward pass
         (rollout/speculative.py); 0, or a policy without a head, decodes one token per pass.
+    device: where the model and every pass live ("cpu", "cuda", ...); the RNG stays on the CPU, so a seed draws the
+        same uniforms on every device.
 
     Sequences are decoded in the order given (prompt-major, n copies adjacent) from one RNG seeded
     with params.seed, so output is reproducible for the same engine settings (max_batch_sequences
@@ -117,6 +119,7 @@ class TorchEngine:
         record_routing: bool = False,
         base_dir: str | None = None,
         speculative_tokens: int = 0,
+        device: str = "cpu",
     ):
         if max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences must be >= 1, got {max_batch_sequences}")
@@ -125,6 +128,7 @@ class TorchEngine:
         if speculative_tokens < 0 or (speculative_tokens and record_routing):
             raise ValueError(f"speculative_tokens must be >= 0 and 0 with record_routing (drafted positions are cropped), got {speculative_tokens}")
         self.speculative_tokens = speculative_tokens
+        self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
         self.num_threads = num_threads
         self.dtype = dtype
@@ -139,13 +143,13 @@ class TorchEngine:
         else:
             self._load_model(policy_dir)
             self.base_sha256 = ""
-        self.head = load_head(policy_dir, self.dtype) if has_head(policy_dir) else None
+        self.head = load_head(policy_dir, self.dtype).to(self.device) if has_head(policy_dir) else None
         self.policy_dir = policy_dir
         self.weight_version = version
 
     def _load_model(self, model_dir: str) -> None:
         check_hf_dir(model_dir, tokenizer=False)  # a malformed directory is refused before any weight loads
-        model = load_causal_lm(model_dir, self.dtype)
+        model = load_causal_lm(model_dir, self.dtype).to(self.device)
         model.eval()
         self.equal_length_batches = needs_equal_length_batches(model.config)
         self.pad_token_id = _read_pad_token_id(model_dir, model)
@@ -224,7 +228,7 @@ class TorchEngine:
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             attention_mask[row, width - len(prompt) :] = 1
-        return input_ids, attention_mask
+        return input_ids.to(self.device), attention_mask.to(self.device)
 
     def _decode(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, params: SamplingParams, generator: torch.Generator
@@ -255,11 +259,12 @@ class TorchEngine:
     def _decode_loop(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, params: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        (batch,), width = rows.shape, input_ids.shape[1]
-        tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long)  # [B, S]
-        logprobs = torch.zeros((batch, params.max_new_tokens))  # [B, S]
-        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long)
-        finished = torch.zeros(batch, dtype=torch.bool)  # [B]
+        (batch,), width, device = rows.shape, input_ids.shape[1], self.device
+        rows = rows.to(device)
+        tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)  # [B, S]
+        logprobs = torch.zeros((batch, params.max_new_tokens), device=device)  # [B, S]
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
         cache = DynamicCache(config=self.model.config)
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)  # [P, L] as HF generate
         routing = []  # per forward: [B, positions fed, layers x k]
@@ -267,7 +272,7 @@ class TorchEngine:
         if input_ids.shape[0] < batch:  # each prompt prefilled once: its cache copied to its rows (beam search's reorder)
             cache.reorder_cache(rows)
             logits, routing = logits[rows], [prompt_routing[rows] for prompt_routing in routing]  # [B, V], [B, L, layers x k]
-        mask = torch.ones((batch, width + params.max_new_tokens), dtype=attention_mask.dtype)  # [B, L + S], sliced per step
+        mask = torch.ones((batch, width + params.max_new_tokens), dtype=attention_mask.dtype, device=device)  # [B, L + S], sliced per step
         mask[:, :width] = attention_mask[rows]
         position = position_ids[rows, -1:]  # [B, 1]
         for step in range(params.max_new_tokens):
@@ -291,10 +296,13 @@ class TorchEngine:
             tokens, logprobs, routing = self._decode(*self._left_pad(distinct), rows, params, generator)
         stop_ids, width = set(params.stop_token_ids), max(len(p) for p in prompts)
         out = []
-        for row, (prompt, row_tokens, row_logprobs) in enumerate(zip(prompts, tokens.tolist(), logprobs.tolist())):
+        if routing is not None:
+            routing = routing.cpu()
+        columns = zip(prompts, tokens.tolist(), logprobs.tolist(), drafted.tolist(), accepted.tolist())
+        for row, (prompt, row_tokens, row_logprobs, row_drafted, row_accepted) in enumerate(columns):
             end = next((i + 1 for i, token in enumerate(row_tokens) if token in stop_ids), None)
             finish = FINISH_STOP if end is not None else FINISH_LENGTH
             end = end if end is not None else params.max_new_tokens
             routed = [] if routing is None else routing[row, width - len(prompt) : width + end - 1].flatten().tolist()
-            out.append(Generation(row_tokens[:end], row_logprobs[:end], finish, self.weight_version, routed, int(drafted[row]), int(accepted[row])))
+            out.append(Generation(row_tokens[:end], row_logprobs[:end], finish, self.weight_version, routed, row_drafted, row_accepted))
         return out
