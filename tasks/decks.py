@@ -1,16 +1,14 @@
 """The decks of the score and train tasks: what the Flyte console shows of a batch.
 
 Each renders a readable frame (`miles_core.dump.readable_frame`) as flytekit decks: "samples", a table of the first
-`ROWS` responses with their prompts and rewards; "histograms", the batch's rewards and response lengths; and on the
+`ROWS` responses with their prompts and rewards; "histograms", the batch's rewards and response lengths (inline SVG); and on the
 train task "mismatch", the train/rollout log-prob mismatch of the step (its `mismatch/*` metrics and the per-token
-difference of the trainer's and the rollout's log-probs on the trained tokens). Plots are PNGs inside the HTML.
+difference of the trainer's and the rollout's log-probs on the trained tokens).
 """
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import os
 
 import flytekit
@@ -24,6 +22,7 @@ from flytekit.deck import DeckField
 # score and train tasks); the image's packages are the pinned requirements.lock
 DECKS = {"enable_deck": True, "deck_fields": (DeckField.SOURCE_CODE, DeckField.TIMELINE, DeckField.INPUT, DeckField.OUTPUT)}
 ROWS = 16  # responses in the sample table
+BINS = 20  # bars of a histogram
 TABLE = ["sample_id", "weight_version", "prompt", "response", "reward", "response_length", "finish_reason"]
 
 
@@ -55,26 +54,31 @@ def _mismatch(frame: pd.DataFrame, metrics: dict[str, float]) -> str:
 
 
 def _figure(panels: list[tuple[str, object]]) -> str:
-    """Histograms side by side, as an <img> with the PNG inline."""
-    import matplotlib  # heavy import, only for the plots
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # fixed margins (inches) that fit the titles and tick labels: tight_layout would measure every label first, a third of
-    # the figure's time (drawn on the score and the train task of every iteration)
-    width = 4.5 * len(panels)
-    fig, axes = plt.subplots(1, len(panels), figsize=(width, 3.2), squeeze=False)
-    fig.subplots_adjust(left=0.8 / width, right=1 - 0.1 / width, bottom=0.4 / 3.2, top=1 - 0.3 / 3.2, wspace=0.3)
-    for ax, (title, values) in zip(axes[0], panels):
-        ax.hist(np.asarray(values, dtype=float), bins=20)
-        ax.set_title(title, fontsize=9)
-        ax.set_ylabel("count")
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=90)
-    plt.close(fig)
+    """Histograms side by side, as inline SVG: bars of `BINS` equal bins between the values' least and greatest, each
+    bar's count in its tooltip. Drawn from numpy's bin counts in about a millisecond, where a matplotlib PNG of the
+    same took 0.1-0.2 s of the score and the train task of every iteration."""
     titles = ", ".join(html.escape(title) for title, _ in panels)
-    return f'<p>histograms: {titles}</p><img alt="{titles}" src="data:image/png;base64,{base64.b64encode(png.getvalue()).decode()}">'
+    return f"<p>histograms: {titles}</p><div>{''.join(_histogram(title, np.asarray(values, dtype=float)) for title, values in panels)}</div>"
+
+
+def _histogram(title: str, values: np.ndarray) -> str:
+    """One histogram of the finite values, titled with their count."""
+    values = values[np.isfinite(values)]
+    counts, edges = np.histogram(values, bins=BINS) if len(values) else (np.zeros(BINS, dtype=int), np.linspace(0.0, 1.0, BINS + 1))
+    width, height, left, bottom = 360, 200, 40, 30  # pixels: the plot and its margins for the axis labels
+    scale, bar = (height - bottom - 20) / max(int(counts.max()), 1), (width - left - 10) / BINS
+    bars = "".join(
+        f'<rect x="{left + i * bar:.1f}" y="{height - bottom - n * scale:.1f}" width="{bar - 1:.1f}" height="{n * scale:.1f}" fill="#4c72b0">'
+        f"<title>[{low:.4g}, {high:.4g}): {n}</title></rect>"
+        for i, (n, low, high) in enumerate(zip(counts, edges[:-1], edges[1:]))
+    )
+    axis = (
+        f'<text x="{left}" y="{height - 10}" font-size="10">{edges[0]:.4g}</text>'
+        f'<text x="{width - 10}" y="{height - 10}" font-size="10" text-anchor="end">{edges[-1]:.4g}</text>'
+        f'<text x="{left - 4}" y="24" font-size="10" text-anchor="end">{int(counts.max())}</text>'
+        f'<text x="{width / 2}" y="12" font-size="11" text-anchor="middle">{html.escape(title)} ({len(values)})</text>'
+    )
+    return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" aria-label="{html.escape(title)}">{axis}{bars}</svg>'
 
 
 def own_decks_only() -> None:

@@ -16,6 +16,8 @@ default (tasks/metadata.py); `recoverable` marks network and object-store errors
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from typing import Optional
 
@@ -40,7 +42,7 @@ from miles_core.config import (
     RolloutConfig,
     TrainConfig,
 )
-from miles_core.data.source import DataState, load_prompts
+from miles_core.data.source import DataState, Prompt, load_prompts
 from miles_core.dump import readable_frame
 from miles_core.models import vocab_size
 from miles_core.plugins import plugin
@@ -71,9 +73,10 @@ from tasks.elastic import elastic, resizable_task
 from tasks.metadata import DEFAULTS, cached, declared
 from tasks.retry import recoverable
 
-# torch elastic polls its workers this often (seconds; torch's own default, flytekit's is 5): a finished step is noticed
-# within it, so it bounds what every Elastic task adds to an iteration's wall time
-MONITOR_S = 0.1
+# torch elastic polls its workers this often (seconds; torch's default is 0.1, flytekit's 5): a finished step is noticed
+# within it, so it bounds what every Elastic task adds to an iteration's wall time; a poll of a waiting agent costs
+# microseconds
+MONITOR_S = 0.02
 ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork", monitor_interval=MONITOR_S)
 
 
@@ -91,8 +94,17 @@ def _forked_worker() -> None:
     own_decks_only()  # the decks it returns are its own
 
 
-def _prompts(dataset_file, data: DataConfig):
-    return load_prompts(dataset_file.download(), data.input_key, data.label_key, data.metadata_key)
+def _prompts(dataset_file, data: DataConfig) -> list[Prompt]:
+    """The prompts of a dataset file, read and checked once per process and file: a process that runs the task again on
+    the same file (a local run: every iteration's rollout) keeps the ~4,000 prompts instead of parsing them each time."""
+    path = dataset_file.download()
+    stat = os.stat(path)
+    return list(_read_prompts(path, stat.st_size, stat.st_mtime_ns, (data.input_key, data.label_key, data.metadata_key)))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_prompts(path: str, size: int, mtime_ns: int, keys: tuple[str, str, str]) -> tuple[Prompt, ...]:
+    return tuple(load_prompts(path, *keys))  # size and mtime_ns: a file changed in place is read again
 
 
 @resizable_task(**cached(cache_version(TrainConfig, AlgoConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("convert"))

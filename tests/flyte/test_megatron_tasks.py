@@ -47,6 +47,16 @@ def test_a_pod_builds_the_train_task_again_with_the_recipe_processes():
     assert loaded.metadata.cache_version == rl_tasks.train.metadata.cache_version  # the same cache entries as the task defined in tasks/rl.py
 
 
+def test_a_one_node_variant_compiles_to_the_pod_of_the_task_defined_in_tasks_rl():
+    """A one-node variant rendezvouses where it runs (statically): nothing a cluster reads changes."""
+    variant, defined = (compile_entity(t).template for t in (rl_tasks.train_task(TrainConfig()), rl_tasks.train))
+    pods = [{**t.k8s_pod.pod_spec, "containers": [{**c, "args": None} for c in t.k8s_pod.pod_spec["containers"]]} for t in (variant, defined)]
+    assert pods[0] == pods[1] and (variant.type, variant.custom) == (defined.type, defined.custom)  # the args name the variant's resolver
+    assert variant.metadata.discovery_version == defined.metadata.discovery_version
+    multi_node = compile_entity(rl_tasks.train_task(TrainConfig(nnodes=2))).template
+    assert multi_node.custom["elasticConfig"]["rdzvBackend"] == "c10d"  # a PyTorchJob's nodes still meet through c10d
+
+
 @pytest.mark.parametrize("recipe", ["recipes/tiny_arith_megatron.yaml", "recipes/qwen3_4b_megatron_gpu.yaml"])
 def test_megatron_recipes_validate_and_compile_with_their_resources(recipe):
     cfg = load_recipe(recipe)
