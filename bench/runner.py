@@ -10,19 +10,18 @@ from mlflow.tracking import MlflowClient
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_workflow(recipe: str, root: Path, home: str, *overrides: str) -> None:
-    """One local execution of workflows/rl.py with `recipe` (plus key=value overrides) under `root`;
-    `home` holds its Flyte cache, so benchmarks sharing a home share cached stages."""
+def workflow_command(recipe: str, root: Path, *overrides: str) -> list[str]:
+    """`pyflyte run workflows/rl.py rl` on `recipe` (plus key=value overrides) with its run root at `root`, as `make run`."""
     cfg = subprocess.run(
         [sys.executable, "-m", "miles_core.config", recipe, f"run_root={root}", *overrides], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
-    out = subprocess.run(
-        [str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rl.py", "rl", "--cfg", cfg],
-        cwd=REPO,
-        env={**os.environ, "HOME": home},
-        capture_output=True,
-        text=True,
-    )
+    return [str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rl.py", "rl", "--cfg", cfg]
+
+
+def run_workflow(recipe: str, root: Path, home: str, *overrides: str) -> None:
+    """One local execution of workflows/rl.py with `recipe` (plus key=value overrides) under `root`;
+    `home` holds its Flyte cache, so benchmarks sharing a home share cached stages."""
+    out = subprocess.run(workflow_command(recipe, root, *overrides), cwd=REPO, env={**os.environ, "HOME": home}, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{recipe}: workflow failed\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
 
