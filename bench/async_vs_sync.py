@@ -25,10 +25,13 @@ reward.remote_concurrency requests in flight (`step.score`); each rollout actor 
 thread while it generates the next, reward.remote_concurrency requests in flight per actor. The
 reward-bound case of issue 22 is
 
-    python bench/async_vs_sync.py --remote-reward-delay 0.05 0.2 async_phase.prompts_per_lease=2
+    python bench/async_vs_sync.py --steps 32 --remote-reward-delay 0.05 0.2 async_phase.prompts_per_lease=2 async_phase.max_staleness=2
 
-(a lease of 2 prompts x 4 samples fits the 8 request slots of an actor: a lease waits about one
-round trip, so its samples are not yet staler than async_phase.max_staleness when delivered).
+(a lease of 2 prompts x 4 samples fits the 8 request slots of an actor, so a lease waits about one
+round trip; a round trip is about a training step here, so max_staleness 2 keeps those samples,
+where 1 drops a share of them: `dropped_samples`). The async side's reward throughput is bounded by
+its requests in flight, reward.remote_concurrency per rollout actor, against the sync loop's one
+batch at reward.remote_concurrency at a time: with 2 actors, about twice the sync loop's.
 
 JSON fields. `sync` / `async`: samples_per_s and tokens_per_s (consumed, over run_s), run_s,
 startup_s, samples, final_reward (mean training reward of the last 3 steps), held_out_accuracy
