@@ -14,10 +14,44 @@ actors start generating while the trainer actor loads, so the async run may begi
 training reward of the last three steps and the held-out greedy accuracy after the last step.
 Both sides use `--threads` torch threads per process (sync: one process; async: each actor).
 
-    python bench/async_vs_sync.py [--recipe recipes/smoke_async.yaml] [--steps 8] [key=value ...]
+    python bench/async_vs_sync.py [--recipe recipes/smoke_async.yaml] [--steps 16] [--remote-reward-delay LOW HIGH] [key=value ...]
+
+With `--remote-reward-delay LOW HIGH`, both sides score through a reward model on loopback
+(bench/reward_server.py, its own process) that answers each request with the recipe's own reward.fn
+after LOW to HIGH seconds (uniform, seeded by the request): the recipe's reward.fn becomes
+`miles_core.rewards.hub:remote`, the path a recipe with a remote reward model takes, so rewards are
+the local ones and only their wait differs. The sync loop scores a step's batch at once,
+reward.remote_concurrency requests in flight (`step.score`); each rollout actor scores a lease in a
+thread while it generates the next, reward.remote_concurrency requests in flight per actor. The
+reward-bound case of issue 22 is
+
+    python bench/async_vs_sync.py --steps 32 --remote-reward-delay 0.05 0.2 async_phase.prompts_per_lease=2 async_phase.max_staleness=2
+
+(a lease of 2 prompts x 4 samples fits the 8 request slots of an actor, so a lease waits about one
+round trip; a round trip is about a training step here, so max_staleness 2 keeps those samples,
+where 1 drops a share of them: `dropped_samples`). The async side's reward throughput is bounded by
+its requests in flight, reward.remote_concurrency per rollout actor, against the sync loop's one
+batch at reward.remote_concurrency at a time: with 2 actors, about twice the sync loop's.
+
+JSON fields. `sync` / `async`: samples_per_s and tokens_per_s (consumed, over run_s), run_s,
+startup_s, samples, final_reward (mean training reward of the last 3 steps), held_out_accuracy
+(greedy, on the held-out prompts, scored the same way), stage_s_per_step (sync: mean seconds per
+step of generation `rollout`, reward wait `score` and `train`, one after another; async: the
+trainer's `train`, `weight_push` and `trainer_idle` (waiting for samples) per step, and the rollout
+actors' `rollout_generate` and `rollout_score` seconds per step's worth of samples, summed over the
+actors, which work side by side); async also has the phase's own async/ metrics (queue depth,
+staleness fractions, dropped_samples: generated but too stale to train on, rollout busy/score/idle
+seconds summed over actors) and phase_wall_s. `ratio_samples_per_s` / `ratio_tokens_per_s`: async
+over sync. `bound_by`: for each side, the stage that limits its throughput, derived from those
+stage times (async: the trainer when it hardly waits for samples, else the rollout actors' supply
+and which of reward wait or generation dominates it), with the reward requests each side may have
+in flight. `remote_reward_delay_s`, `remote_concurrency`: the reward model's delay range and
+requests in flight per process (null without a remote reward). Also the recipe, steps, overrides,
+threads, rollout actors, cores, load average before and after, and peak memory.
 """
 
 import argparse
+import contextlib
 import os
 import tempfile
 
@@ -32,6 +66,7 @@ import ray
 import torch
 import yaml
 from measure import emit
+from reward_server import serving
 from transformers import AutoTokenizer
 
 from miles_core.async_loop import PhaseSpec, run_phase
@@ -50,7 +85,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def prepare(cfg):
-    base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train)
+    base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train, rollout=cfg.rollout)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
     ckpt = convert(cfg=cfg.train, algo=cfg.algo, policy=start, root=cfg.run_root)
@@ -64,13 +99,16 @@ def run_sync(cfg, start, prompts, ckpt_dir: str, steps: int, threads: int):
     trainer, tokenizer = TorchTrainer.load(ckpt_dir, cfg.train), AutoTokenizer.from_pretrained(ckpt_dir)
     source = plugin(cfg.data, "data", "source_fn")(prompts, cfg.data.seed, DataState())
     fns = bind(rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, hooks=cfg.hooks, evaluation=cfg.evaluation)
-    ready, consumed, rewards = time.perf_counter(), [], []
+    ready, consumed, rewards, stages = time.perf_counter(), [], [], []
     for step in range(steps):
         samples, _, metrics = run_step(engine, source, tokenizer, fns, trainer, [], step)
         rewards.append(metrics["reward/mean"])
         engine.load_state_dict(trainer.model.state_dict(), start.version + step + 1)
         consumed.append(samples)
-    return summary(consumed, rewards, ready - started, time.perf_counter() - ready), engine
+        stages.append({k: metrics[f"time/{k}_s"] for k in ("rollout", "score", "train")})
+    out = summary(consumed, rewards, ready - started, time.perf_counter() - ready)
+    out["stage_s_per_step"] = {k: round(statistics.fmean(s[k] for s in stages), 3) for k in stages[0]}
+    return out, engine
 
 
 def run_async(cfg, start, prompts, ckpt_dir: str, steps: int, out: str):
@@ -100,6 +138,15 @@ def run_async(cfg, start, prompts, ckpt_dir: str, steps: int, out: str):
     out_summary = summary(result.consumed, [s["reward/mean"] for s in result.steps], m["time/async_startup_s"], m["time/async_train_s"])
     out_summary.update({k.split("/")[1]: round(v, 3) for k, v in m.items() if k.startswith("async/") and "_per_s" not in k})
     out_summary["phase_wall_s"] = round(m["time/async_phase_s"], 1)  # start-up + run + finishing (buffer drained, checkpoint saved)
+    per_step = spec.rollout.prompts_per_step * spec.rollout.n_samples / (m["async/generated_samples_per_s"] * m["time/async_train_s"])
+    out_summary["stage_s_per_step"] = {
+        "train": round(statistics.fmean(s["time/train_s"] for s in result.steps), 3),
+        "trainer_idle": round(statistics.fmean(s["async/trainer_idle_s"] for s in result.steps), 3),
+        "weight_push": round(statistics.fmean(s["async/weight_push_s"] for s in result.steps), 3),
+        # rollout actors' seconds per step's worth of samples, summed over the actors
+        "rollout_generate": round((m["async/rollout_busy_s"] - m["async/rollout_score_s"]) * per_step, 3),
+        "rollout_score": round(m["async/rollout_score_s"] * per_step, 3),
+    }
     return out_summary, make_engine(cfg.rollout, out, start.version + steps, num_threads=2)
 
 
@@ -117,22 +164,48 @@ def summary(consumed, rewards, startup_s: float, run_s: float) -> dict:
     }
 
 
+def bound_by(sync: dict, async_: dict, workers: int, reward_slots: int | None) -> dict[str, str]:
+    """What limits each side's throughput, from the stage times measured in the run; reward_slots: the remote reward
+    model's requests in flight per process (reward.remote_concurrency), None when rewards are scored locally."""
+    stages = sync["stage_s_per_step"]
+    named = {"rollout": "generation", "score": "reward wait", "train": "training"}
+    largest = max(stages, key=stages.get)
+    sync_says = (
+        f"{named[largest]}: {stages[largest]:.3f} s of a {sum(stages.values()):.3f} s step ("
+        + ", ".join(f"{named[k]} {v:.3f} s" for k, v in stages.items())
+        + ", one after another"
+        + (f"; at most {reward_slots} reward requests in flight)" if reward_slots else ")")
+    )
+    a = async_["stage_s_per_step"]
+    trainer_busy = a["train"] + a["weight_push"]
+    if a["trainer_idle"] < 0.25 * trainer_busy:  # the trainer hardly waits: it sets the pace
+        async_says = f"training: the trainer waited {a['trainer_idle']:.3f} s per step for samples and worked {trainer_busy:.3f} s"
+    else:
+        supply = "reward wait" if a["rollout_score"] >= a["rollout_generate"] else "generation"
+        async_says = (
+            f"rollout supply, mostly {supply}: the trainer waited {a['trainer_idle']:.3f} s per step for samples (worked {trainer_busy:.3f} s); "
+            f"a step's samples took the {workers} rollout actors {a['rollout_score']:.3f} s of reward wait and {a['rollout_generate']:.3f} s "
+            "of generation, actor-seconds summed"
+            + (f" (at most {reward_slots} reward requests in flight per actor, {reward_slots * workers} in all)" if reward_slots else "")
+        )
+    if async_["dropped_samples"]:
+        async_says += f"; {async_['dropped_samples']:.0f} samples generated and scored were dropped as staler than async_phase.max_staleness"
+    return {"sync": sync_says, "async": async_says}
+
+
 def held_out(cfg, engine, dataset, tokenizer) -> float:
     prompts = load_prompts(dataset.test.path, cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key)
     return round(evaluate_policy(engine, prompts, tokenizer, bind(rollout=cfg.rollout, reward=cfg.reward, evaluation=cfg.evaluation))["eval/accuracy"], 3)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--recipe", default="recipes/smoke_async.yaml")
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
-    args = parser.parse_args()
-    root = Path(os.environ["HOME"]) / "runs"
-    overrides = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.overrides)}
-    cfg = dataclasses.replace(load_recipe(REPO / args.recipe, overrides), run_root=str(root))
+def remote_scored(cfg, url: str):
+    """cfg with every reward fetched from the reward model at url (the project's remote reward path: rewards.hub:remote)."""
+    return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, fn="miles_core.rewards.hub:remote", remote_url=url))
+
+
+def compare(cfg, args) -> dict:
     load_before = os.getloadavg()[0]
+    root = Path(cfg.run_root)
     start, dataset, ckpt = prepare(cfg)
     prompts = load_prompts(dataset.train.path, cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key)
     tokenizer = AutoTokenizer.from_pretrained(start.dir.path)
@@ -142,22 +215,48 @@ def main() -> None:
     async_, async_engine = run_async(cfg, start, prompts, ckpt.dir.path, args.steps, str(root / "async-ckpt"))
     ray.shutdown()
     sync["held_out_accuracy"], async_["held_out_accuracy"] = held_out(cfg, sync_engine, dataset, tokenizer), held_out(cfg, async_engine, dataset, tokenizer)
-    emit(
-        {
-            "bench": "async_vs_sync",
-            "recipe": args.recipe,
-            "steps": args.steps,
-            "overrides": args.overrides,
-            "threads_per_process": args.threads,
-            "rollout_workers": cfg.async_phase.rollout_workers,
-            "cores": os.cpu_count(),
-            "sync": sync,
-            "async": async_,
-            "ratio_samples_per_s": round(async_["samples_per_s"] / sync["samples_per_s"], 2),
-            "ratio_tokens_per_s": round(async_["tokens_per_s"] / sync["tokens_per_s"], 2),
-            "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        }
+    slots = cfg.reward.remote_concurrency if args.remote_reward_delay else None
+    return {
+        "bench": "async_vs_sync",
+        "recipe": args.recipe,
+        "steps": args.steps,
+        "overrides": args.overrides,
+        "threads_per_process": args.threads,
+        "rollout_workers": cfg.async_phase.rollout_workers,
+        "cores": os.cpu_count(),
+        "remote_reward_delay_s": args.remote_reward_delay,
+        "remote_concurrency": slots,
+        "sync": sync,
+        "async": async_,
+        "ratio_samples_per_s": round(async_["samples_per_s"] / sync["samples_per_s"], 2),
+        "ratio_tokens_per_s": round(async_["tokens_per_s"] / sync["tokens_per_s"], 2),
+        "bound_by": bound_by(sync, async_, cfg.async_phase.rollout_workers, slots),
+        "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", default="recipes/smoke_async.yaml")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument(
+        "--remote-reward-delay",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="score both sides through a reward model on loopback (reward.fn: miles_core.rewards.hub:remote) that answers with "
+        "the recipe's own reward.fn after LOW-HIGH seconds (bench/reward_server.py)",
     )
+    parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
+    args = parser.parse_args()
+    overrides = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.overrides)}
+    cfg = dataclasses.replace(load_recipe(REPO / args.recipe, overrides), run_root=str(Path(os.environ["HOME"]) / "runs"))
+    with contextlib.ExitStack() as stack:
+        if args.remote_reward_delay:
+            cfg = remote_scored(cfg, stack.enter_context(serving(*args.remote_reward_delay, seed=0, reward_fn=cfg.reward.fn)))
+        result = compare(cfg, args)
+    emit(result)
 
 
 if __name__ == "__main__":

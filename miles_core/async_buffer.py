@@ -4,7 +4,9 @@ One `SampleBuffer` (a Ray actor in async_loop.py, plain Python here so it is tes
 owns the prompt stream and every group between "drawn from the stream" and "consumed by the
 trainer". A rollout actor leases prompts, generates and scores them, and delivers the groups;
 delivery ends the lease in the same call, so an actor that dies holding a lease never delivers
-half of it: when Ray restarts the actor, `register` hands its leased prompts out again.
+half of it: when Ray restarts the actor, `register` hands its leased prompts out again. An actor
+may hold several leases (it generates the next while the last is being scored); each is
+delivered whole, on its own.
 
 Every prompt draw carries its stream position (`metadata["draw"]`, epoch * len(prompts) +
 offset), so across phases each draw ends exactly once: consumed by a training step, dropped as
@@ -56,7 +58,7 @@ class SampleBuffer:
         self._take_fn = take_fn
         self._ready: list[Group] = list(waiting)
         self._reissue: list[Prompt] = []  # drawn prompts to generate (again): dead actors' leases, stale groups
-        self._leases: dict[int, list[Prompt]] = {}  # worker -> prompts it is generating
+        self._leases: dict[int, list[list[Prompt]]] = {}  # worker -> its leases being generated or scored
         self._closed = False
         self._latest_weights = None  # ([ObjectRef of the state dict], version) of the last push
         self.dropped: list[str] = []  # "draw/index" of samples dropped as too stale
@@ -66,16 +68,14 @@ class SampleBuffer:
 
     # rollout side -------------------------------------------------------------------------------
     def register(self, worker: int):
-        """A rollout actor (re)starts: its unfinished lease is handed out again; returns the latest weights."""
+        """A rollout actor (re)starts: its unfinished leases are handed out again; returns the latest weights."""
         self.registrations[worker] += 1
-        self._reissue = self._leases.pop(worker, []) + self._reissue
+        self._reissue = [p for lease in self._leases.pop(worker, []) for p in lease] + self._reissue
         return self._latest_weights
 
     def lease(self, worker: int, n: int) -> list[Prompt] | None:
         """Up to n prompts for `worker` ([] while the buffer is full); None once closed with nothing left."""
-        if worker in self._leases:
-            raise RuntimeError(f"rollout actor {worker} asked for a lease while holding one")
-        room = self._capacity - len(self._ready) - sum(len(v) for v in self._leases.values())
+        room = self._capacity - len(self._ready) - sum(len(lease) for leases in self._leases.values() for lease in leases)
         take = min(n, room)
         if take <= 0:
             return None if self._closed and not self._reissue else []
@@ -84,7 +84,7 @@ class SampleBuffer:
             prompts += self._draw(take - len(prompts))
         if not prompts:
             return None if self._closed else []
-        self._leases[worker] = prompts
+        self._leases.setdefault(worker, []).append(prompts)
         return prompts
 
     def _draw(self, n: int) -> list[Prompt]:
@@ -93,13 +93,16 @@ class SampleBuffer:
         return [dataclasses.replace(p, metadata={**p.metadata, "draw": start + i}) for i, p in enumerate(drawn)]
 
     def deliver(self, worker: int, groups: list[Group], stats: dict[str, float], filtered: list[int] = ()) -> None:
-        """The groups of `worker`'s lease, generated and scored, and the draws whose groups
-        rollout.dynamic_filter_fn dropped (they end there, like a consumed group); ends the lease."""
-        leased = sorted(p.metadata["draw"] for p in self._leases.get(worker, []))
+        """The groups of one of `worker`'s leases, generated and scored, and the draws whose groups
+        rollout.dynamic_filter_fn dropped (they end there, like a consumed group); ends that lease."""
+        leases = self._leases.get(worker, [])
+        leased = [sorted(p.metadata["draw"] for p in lease) for lease in leases]
         delivered = sorted(draw_of(g) for g in groups)
-        if leased != sorted(delivered + list(filtered)):
-            raise RuntimeError(f"rollout actor {worker} delivered draws {delivered} (filtered {sorted(filtered)}) for its lease {leased}")
-        del self._leases[worker]
+        if sorted(delivered + list(filtered)) not in leased:
+            raise RuntimeError(f"rollout actor {worker} delivered draws {delivered} (filtered {sorted(filtered)}), none of its leases {leased}")
+        del leases[leased.index(sorted(delivered + list(filtered)))]
+        if not leases:
+            del self._leases[worker]
         self._ready += groups
         self.filtered += sorted(filtered)
         self.rollout_stats.update(stats)
@@ -167,6 +170,7 @@ def phase_summary(consumed: list[list[Sample]], steps: list[dict], drained: dict
         "async/generated_samples_per_s": rollout.get("samples", 0) / train_s,
         "async/generated_tokens_per_s": rollout.get("tokens", 0) / train_s,
         "async/rollout_busy_s": rollout.get("busy_s", 0.0),
+        "async/rollout_score_s": rollout.get("score_s", 0.0),
         "async/rollout_idle_s": rollout.get("idle_s", 0.0),
         "async/queue_depth_mean": statistics.fmean(depths),
         "async/queue_depth_max": float(max(depths)),

@@ -10,8 +10,10 @@ custom rollout_fn and dynamic sampling mean in async mode what they mean in sync
 rollout actor owns one engine (`rollout.engines.make_engine`) and loops: lease
 `prompts_per_lease` prompts, run the run's rollout_fn on them as one batch (with dynamic
 sampling, dynamic_filter_fn drops groups within the lease and the buffer records their draws as
-filtered; the trainer waits for enough groups), deliver. The trainer (either backend, through
-`train.backends`) takes `rollout.prompts_per_step` groups no older than its version minus
+filtered; the trainer waits for enough groups), then score the rest of the lease and deliver it
+in a thread while it leases and generates the next: the wait on a remote reward model overlaps
+generation (an actor holds up to `SCORED_LEASES` leases; the buffer's bound counts each). The
+trainer (either backend, through `train.backends`) takes `rollout.prompts_per_step` groups no older than its version minus
 `max_staleness` (older ones are dropped or regenerated, `async_phase.stale_policy`), trains with
 `step.train_step`, and every `update_weights_interval` steps pushes its
 weights to every rollout actor; a push not acknowledged within `push_timeout_s` fails the phase.
@@ -34,6 +36,7 @@ import statistics
 import tempfile
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -52,6 +55,10 @@ from miles_core.train.backends import load_trainer, make_trainer
 from miles_core.weights.publish import publish
 from miles_core.weights.quantize import fake_quantized
 
+# leases a rollout actor holds: one being scored while the next is generated, then scored beside it (its requests take the
+# reward model's slots the first one's slowest requests leave free); more would only queue there and age (a lease's samples
+# are as old as the weights that generated them), fewer would leave the reward wait unhidden
+SCORED_LEASES = 2
 ROLLOUT_ACTOR = "miles-rollout-{}"  # Ray actor names (a test kills one mid-phase by name)
 # Ray custom resources that the worker groups of the phase's KubeRay cluster declare (tasks/async_phase.py), one per pod
 ROLLOUT_GROUP, TRAINER_GROUP = "miles_rollout", "miles_trainer"
@@ -142,6 +149,20 @@ def actor_threads(cfg: AsyncConfig) -> int:
     return min(cfg.threads_per_actor, usable_cpus())
 
 
+class TimedScorer:
+    """A rollout_fn's scorer that adds up the seconds spent scoring (the rest of a lease's busy time is generation)."""
+
+    def __init__(self, scorer):
+        self.scorer, self.seconds = scorer, 0.0
+
+    def __call__(self, samples: list[Sample]) -> dict:
+        started = time.perf_counter()
+        try:
+            return self.scorer(samples)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
 class RolloutWorker:
     """A Ray actor (two threads: `run` generates, `update_weights` swaps weights between engine calls)."""
 
@@ -155,6 +176,8 @@ class RolloutWorker:
         policy_dir = spec.transfer.fetch(spec.policy_dir)
         self.engine = make_engine(spec.rollout, policy_dir, spec.version, num_threads=threads)
         self.tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+        # scoring threads decode with their own: a fast tokenizer encoding in one thread may not be read in another ("Already borrowed")
+        self.score_tokenizer = AutoTokenizer.from_pretrained(policy_dir)
         self.fns = lease_fns(spec_fns(spec), spec.cfg)
         self.lock, self.update_waiting = threading.Lock(), threading.Event()
         latest = ray.get(buffer.register.remote(index))  # a restarted actor resumes from the newest weights
@@ -162,36 +185,56 @@ class RolloutWorker:
             self.engine.load_state_dict(ray.get(latest[0][0]), latest[1])
 
     def run(self) -> int:
-        """Lease, run the rollout_fn on the lease (generate, score, filter), deliver until the buffer
-        closes; returns the number of leases served."""
+        """Lease, run the rollout_fn on the lease (generate; with dynamic sampling also score and filter), and lease
+        the next while a thread scores the rest of this one and delivers it, until the buffer closes; returns the
+        number of leases served. A reward model's wait overlaps generation, and the next lease's requests fill the
+        slots the last one's slowest requests leave free."""
         import ray  # actors live in Ray worker processes
 
-        served, idle_since = 0, time.perf_counter()
-        while True:
-            prompts = ray.get(self.buffer.lease.remote(self.index, self.spec.cfg.prompts_per_lease))
-            if prompts is None:
-                return served
-            if not prompts:  # the buffer is full: the trainer is behind
-                time.sleep(0.02)
-                continue
-            idle, started = time.perf_counter() - idle_since, time.perf_counter()
-            scorer = scorer_of(self.fns, self.tokenizer)
-            samples, left, _ = self.fns.rollout_fn(
-                TurnTakingEngine(self.engine, self._engine_turn),
-                LeasedPrompts(prompts),
-                self.tokenizer,
-                self.fns,
-                scorer,
-                [],
-                rollout_seed(self.spec.rollout, prompts[0].metadata["draw"]),
-            )
-            groups = groups_of(samples, self.spec.rollout.n_samples) + left
-            scorer([s for g in groups for s in g])  # without dynamic sampling nothing is scored yet
-            delivered = {draw_of(g) for g in groups}
-            stats = {"samples": len(samples), "tokens": sum(len(s.response_tokens) for s in samples), "busy_s": time.perf_counter() - started, "idle_s": idle}
-            filtered = [p.metadata["draw"] for p in prompts if p.metadata["draw"] not in delivered]
-            ray.get(self.buffer.deliver.remote(self.index, groups, stats, filtered))
-            served, idle_since = served + 1, time.perf_counter()
+        served, idle_since, scoring = 0, time.perf_counter(), []
+        with ThreadPoolExecutor(SCORED_LEASES, thread_name_prefix="score") as pool:
+            while True:
+                if len(scoring) == SCORED_LEASES:
+                    wait(scoring, return_when=FIRST_COMPLETED)
+                scoring = _unfinished(scoring)
+                prompts = ray.get(self.buffer.lease.remote(self.index, self.spec.cfg.prompts_per_lease))
+                if prompts is None:
+                    break
+                if not prompts:  # the buffer is full: the trainer is behind
+                    time.sleep(0.02)
+                    continue
+                idle, started = time.perf_counter() - idle_since, time.perf_counter()
+                scorer = TimedScorer(scorer_of(self.fns, self.score_tokenizer))
+                samples, left, _ = self.fns.rollout_fn(
+                    TurnTakingEngine(self.engine, self._engine_turn),
+                    LeasedPrompts(prompts),
+                    self.tokenizer,
+                    self.fns,
+                    scorer,
+                    [],
+                    rollout_seed(self.spec.rollout, prompts[0].metadata["draw"]),
+                )
+                scoring.append(pool.submit(self._score_and_deliver, prompts, groups_of(samples, self.spec.rollout.n_samples) + left, scorer, started, idle))
+                served, idle_since = served + 1, time.perf_counter()
+            for future in scoring:
+                future.result()
+        return served
+
+    def _score_and_deliver(self, prompts: list[Prompt], groups: list[list[Sample]], scorer: TimedScorer, started: float, idle: float) -> None:
+        import ray  # actors live in Ray worker processes
+
+        samples = [s for g in groups for s in g]
+        scorer(samples)  # without dynamic sampling nothing is scored yet
+        delivered = {draw_of(g) for g in groups}
+        stats = {
+            "samples": len(samples),
+            "tokens": sum(len(s.response_tokens) for s in samples),
+            "busy_s": time.perf_counter() - started,
+            "score_s": scorer.seconds,
+            "idle_s": idle,
+        }
+        filtered = [p.metadata["draw"] for p in prompts if p.metadata["draw"] not in delivered]
+        ray.get(self.buffer.deliver.remote(self.index, groups, stats, filtered))
 
     def update_weights(self, state: dict, version: int) -> int:
         self.update_waiting.set()  # the generating thread lets this one in at its next engine call
@@ -367,6 +410,14 @@ def run_phase(spec: PhaseSpec, ckpt_out: str, policy_out: str | None = None) -> 
     metrics = phase_summary(consumed, steps, drained, train_s)
     metrics.update({"train/step": float(optimizer_step), "time/async_startup_s": ready - started, "time/async_phase_s": time.perf_counter() - started})
     return PhaseResult(consumed, drained["groups"], drained["state"], drained["dropped"], steps, metrics, drained["filtered"])
+
+
+def _unfinished(futures: list[Future]) -> list[Future]:
+    """The futures still running; a finished one's error is raised here."""
+    finished = [f for f in futures if f.done()]
+    for f in finished:
+        f.result()
+    return [f for f in futures if f not in finished]
 
 
 def _wait_for(targets: list, watch: list, timeout: float | None = None) -> None:

@@ -6,6 +6,8 @@ import json
 import threading
 import time
 from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from miles_core.config import HealthConfig, PublishConfig, load_recipe
 from miles_core.data.problems import make_addition, write_jsonl
 from miles_core.data.source import DataState, PromptSource, load_prompts
 from miles_core.models.tiny import build_tiny_model
+from miles_core.rewards.math import integer_answer
 from miles_core.train.sft import demonstrations, run_sft, sft_train_config
 from miles_core.train.torch_backend import TorchTrainer
 from miles_core.weights.publish import copy_tokenizer, publish
@@ -210,6 +213,56 @@ def test_int4_qat_trains_on_the_pushed_int4_weights(cluster, start, tmp_path):
     assert config["format"] == "pack-quantized" and config["config_groups"]["group_0"]["weights"]["group_size"] == 32
     first, *later = [m["mismatch/abs_logprob_diff"] for m in result.steps]
     assert first > 1e-3 and later and all(m < 1e-5 for m in later)
+
+
+class LeaseOverlapRewardModel(BaseHTTPRequestHandler):
+    """A reward model on loopback that holds the requests of a phase's first lease until requests of a later lease come
+    in (at most 5 s, within reward.remote_timeout_s), and records for each held one whether they did."""
+
+    leases_per_draw: ClassVar[int] = 1
+    leases: ClassVar[set[int]] = set()
+    later_lease_in = threading.Event()
+    released_by_later_lease: ClassVar[list[bool]] = []
+
+    def do_POST(self):
+        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        lease = payload["metadata"]["draw"] // self.leases_per_draw
+        self.leases.add(lease)
+        if len(self.leases) > 1:
+            self.later_lease_in.set()
+        if lease == 0:
+            self.released_by_later_lease.append(self.later_lease_in.wait(5))
+        body = json.dumps({"reward": integer_answer(payload["response"], payload["label"], payload["metadata"])}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_rollout_actor_generates_its_next_lease_while_the_last_is_scored(cluster, start, tmp_path):
+    """One rollout actor and a remote reward model that answers the first lease only once a later lease's requests
+    arrive: the actor scores a lease in a thread and goes on generating, so the first lease is released by the second,
+    and every draw still ends once."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), LeaseOverlapRewardModel)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    spec = spec_for(start, rollout_workers=1)
+    LeaseOverlapRewardModel.leases_per_draw = spec.cfg.prompts_per_lease  # one actor: lease k holds draws k*n ... k*n+n-1
+    url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    remote = dataclasses.replace(spec.reward, fn="miles_core.rewards.hub:remote", remote_url=url, remote_concurrency=64)  # room for both leases
+    spec = dataclasses.replace(spec, steps=2, reward=remote)
+    try:
+        result = run_phase(spec, str(tmp_path / "ckpt"))
+    finally:
+        server.shutdown()
+    held = LeaseOverlapRewardModel.released_by_later_lease
+    assert held and all(held)  # one per distinct request of the first lease
+    assert all(not s.metadata.get("reward_error") for batch in result.consumed for s in batch)
+    assert result.metrics["async/rollout_score_s"] > 0
+    assert_every_draw_ends_once(spec, result)
 
 
 def test_an_async_phase_rolls_out_in_a_real_sglang_server(cluster, start, tmp_path):

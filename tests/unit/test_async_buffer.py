@@ -52,9 +52,22 @@ def test_a_restarted_actor_gets_its_lease_handed_out_again():
     assert b.register(0) == ("weights", 3)  # the restart starts from the newest weights
     again = b.lease(1, 2)
     assert [p.metadata["draw"] for p in again] == [p.metadata["draw"] for p in lost]
-    with pytest.raises(RuntimeError, match="delivered draws \\[0\\] \\(filtered \\[\\]\\) for its lease \\[0, 1\\]"):
+    with pytest.raises(RuntimeError, match="delivered draws \\[0\\] \\(filtered \\[\\]\\), none of its leases \\[\\[0, 1\\]\\]"):
         b.deliver(1, [group(again[0], 1)], {})
     assert b.drain()["restarts"] == 1
+
+
+def test_an_actor_holds_several_leases_each_delivered_whole_in_any_order():
+    b = buffer(capacity=5)
+    b.register(0)
+    first, second = b.lease(0, 2), b.lease(0, 2)  # the next lease is generated while the first is scored
+    assert [p.metadata["draw"] for p in first + second] == [0, 1, 2, 3]
+    assert [p.metadata["draw"] for p in b.lease(1, 3)] == [4]  # both leases count against the bound
+    with pytest.raises(RuntimeError, match="none of its leases \\[\\[0, 1\\], \\[2, 3\\]\\]"):
+        b.deliver(0, [group(first[1], 1), group(second[0], 1)], {})  # one lease at a time, whole
+    b.deliver(0, [group(p, 1) for p in second], {})
+    b.register(0)  # a restart hands out again the lease still held, not the delivered one
+    assert [p.metadata["draw"] for p in b.lease(1, 2)] == [0, 1]
 
 
 def test_stale_groups_are_dropped_or_regenerated():
