@@ -1,4 +1,4 @@
-"""What every benchmark reports beside its own numbers: peak resident memory, in the one JSON object it prints."""
+"""What every benchmark shares: peak resident memory, in the one JSON object it prints, and a timer's wait for a device."""
 
 import json
 import resource
@@ -16,3 +16,12 @@ def peak_rss_mib() -> dict[str, float]:
 def emit(result: dict, indent: int | None = None) -> None:
     """Print the benchmark's one JSON object, with its peak resident memory added as "peak_rss_mib"."""
     print(json.dumps({**result, "peak_rss_mib": peak_rss_mib()}, indent=indent))
+
+
+def synchronize(device) -> None:
+    """Wait for the work queued on `device` (a torch device or its name) before reading a clock: CUDA runs
+    asynchronously, the CPU needs no wait. torch is imported here: benchmarks that drive only workflows skip it."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

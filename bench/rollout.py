@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from measure import emit  # noqa: E402
+from measure import emit, synchronize  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -71,12 +71,6 @@ def bench_model(args: argparse.Namespace) -> Qwen2ForCausalLM:
 def build_model_dir(args: argparse.Namespace, root: str) -> str:
     bench_model(args).save_pretrained(root)
     return root
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA runs asynchronously; the CPU needs no wait)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def best_times(runs: dict, repeats: int, device: torch.device) -> dict[str, tuple[float, int]]:

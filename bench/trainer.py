@@ -28,7 +28,7 @@ import miles_core  # noqa: E402, F401  first: its thread policy (miles_core/cpus
 
 # isort: split
 import torch  # noqa: E402
-from measure import emit  # noqa: E402
+from measure import emit, synchronize  # noqa: E402
 
 from miles_core.config import ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
 from miles_core.models.tiny import build_tiny_model  # noqa: E402
@@ -58,12 +58,6 @@ def batch(n: int, group: int, rng: random.Random, prompt_len: int = 14, response
         )
         for i in range(n)
     ]
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA runs asynchronously; the CPU needs no wait)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def matmul_peak(dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:

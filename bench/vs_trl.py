@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 import torch
-from measure import emit
+from measure import emit, synchronize
 from transformers import AutoTokenizer
 
 from miles_core.config import RunConfig, load_recipe
@@ -248,11 +248,6 @@ def prepare(recipe: str, tmp: Path, out: Path) -> None:
     for split in ("train", "test"):
         shutil.copyfile(files[f"{split}_file"], out / f"{split}.jsonl")
     print(f"prepared {recipe} in {out}: {', '.join(sorted(p.name for p in out.iterdir()))}", file=sys.stderr)
-
-
-def synchronize(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def in_process_run(cfg: RunConfig, files: dict, iterations: int, interval: int, device: str) -> list[dict]:
