@@ -15,6 +15,7 @@ last token) of every sample that has any.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -49,6 +50,67 @@ def _sized(values) -> bool:
     return isinstance(values, (list, tuple, np.ndarray))
 
 
+class _Flat:
+    """A column of number sequences as one array: `values` (every row's, concatenated), `offsets` (where each row
+    starts, and the end) and the Python or numpy `types` they have. One pass over the column instead of a Python call
+    per number; the checks below use it where every row is a list, tuple or 1-D array of ints, floats or bools, and
+    judge each row alone otherwise (what a malformed batch takes, to name its rows)."""
+
+    NUMBERS = (int, float, np.integer, np.floating)  # bool is an int
+
+    def __init__(self, column: pd.Series):
+        rows = column.tolist()
+        self.offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        self.offsets[1:] = np.cumsum([len(r) for r in rows])
+        if all(isinstance(r, np.ndarray) for r in rows):  # as parquet reads a list column
+            self.types = frozenset(r.dtype.type for r in rows)
+            self.values = np.concatenate(rows) if rows else np.zeros(0)
+        else:
+            items = list(itertools.chain.from_iterable(rows))
+            self.types = frozenset(map(type, items))
+            integers = all(issubclass(t, (int, np.integer)) for t in self.types)
+            self.values = np.asarray(items, dtype=np.int64 if integers else np.float64) if self.numbers() else np.zeros(0)
+
+    @classmethod
+    def of(cls, column: pd.Series) -> _Flat | None:
+        """The column as one array, or None when a row is not a list, tuple or 1-D array, or a value is out of int64."""
+        if not all(isinstance(r, (list, tuple)) or (isinstance(r, np.ndarray) and r.ndim == 1) for r in column):
+            return None
+        try:
+            return cls(column)
+        except OverflowError:  # an integer beyond int64
+            return None
+
+    def numbers(self) -> bool:
+        return all(issubclass(t, self.NUMBERS) for t in self.types)
+
+    def integers(self) -> bool:
+        """Every value an integer (not a bool)."""
+        return all(issubclass(t, (int, np.integer)) and not issubclass(t, bool) for t in self.types)
+
+    def rows_all(self, ok: np.ndarray, index: pd.Index) -> pd.Series:
+        """Per row: `ok` holds for each of its values (an empty row passes)."""
+        failed = np.zeros(len(ok) + 1, dtype=np.int64)
+        failed[1:] = np.cumsum(~ok)
+        return pd.Series(failed[self.offsets[1:]] == failed[self.offsets[:-1]], index=index)
+
+
+def _row_wise(column: pd.Series, fits, vectorized, element) -> pd.Series:
+    """A per-row check of a column of number sequences: `vectorized(flat)` when the column flattens and `fits(flat)`,
+    else `element(row)` for each row."""
+    flat = _Flat.of(column)
+    if flat is not None and fits(flat):
+        return flat.rows_all(vectorized(flat), column.index)
+    return column.map(element).astype(bool)
+
+
+def _ids_at_least(column: pd.Series, low: int) -> pd.Series:
+    """Per row: a sequence of integers (no bools, within int64), each >= low."""
+    return _row_wise(
+        column, _Flat.integers, lambda flat: flat.values >= low, lambda ids: _integer_ids(ids) is not None and bool((_integer_ids(ids) >= low).all())
+    )
+
+
 class RolloutBatchSchema(pa.DataFrameModel):
     sample_id: Series[str] = pa.Field(unique=True)
     prompt_id: Series[str]
@@ -69,27 +131,28 @@ class RolloutBatchSchema(pa.DataFrameModel):
     def non_empty(cls, tokens) -> bool:
         return _sized(tokens) and len(tokens) > 0
 
-    @pa.check(*TOKEN_COLUMNS, element_wise=True, name="integer_ids")
-    def integer_ids(cls, tokens) -> bool:
-        return _integer_ids(tokens) is not None
+    @pa.check(*TOKEN_COLUMNS, name="integer_ids")
+    def integer_ids(cls, tokens: Series[object]) -> Series[bool]:
+        return _row_wise(tokens, _Flat.integers, lambda flat: np.ones(len(flat.values), dtype=bool), lambda ids: _integer_ids(ids) is not None)
 
-    @pa.check(*TOKEN_COLUMNS, element_wise=True, name="non_negative_ids")
-    def non_negative_ids(cls, tokens) -> bool:
-        ids = _integer_ids(tokens)
-        return ids is None or bool((ids >= 0).all())  # non-integers fail integer_ids already
+    @pa.check(*TOKEN_COLUMNS, name="non_negative_ids")
+    def non_negative_ids(cls, tokens: Series[object]) -> Series[bool]:
+        # non-integers fail integer_ids already
+        return _row_wise(tokens, _Flat.integers, lambda flat: flat.values >= 0, lambda ids: _integer_ids(ids) is None or bool((_integer_ids(ids) >= 0).all()))
 
-    @pa.check("routed_experts", element_wise=True, name="expert_ids")
-    def expert_ids(cls, experts) -> bool:
-        ids = _integer_ids(experts)
-        return ids is not None and bool((ids >= 0).all())
+    @pa.check("routed_experts", name="expert_ids")
+    def expert_ids(cls, experts: Series[object]) -> Series[bool]:
+        return _ids_at_least(experts, 0)
 
-    @pa.check("rollout_logprobs", "teacher_logprobs", element_wise=True, name="finite_logprobs")
-    def finite_logprobs(cls, values) -> bool:
-        return _sized(values) and all(isinstance(x, (int, float, np.number)) and math.isfinite(x) and x <= 1e-4 for x in values)
+    @pa.check("rollout_logprobs", "teacher_logprobs", name="finite_logprobs")
+    def finite_logprobs(cls, values: Series[object]) -> Series[bool]:
+        return _row_wise(values, _Flat.numbers, lambda flat: np.isfinite(flat.values) & (flat.values <= 1e-4), _finite_logprobs)
 
-    @pa.check("loss_mask", element_wise=True, name="binary_mask")
-    def binary_mask(cls, values) -> bool:
-        return _sized(values) and all(not isinstance(m, (float, np.floating)) and m in (0, 1) for m in values)
+    @pa.check("loss_mask", name="binary_mask")
+    def binary_mask(cls, values: Series[object]) -> Series[bool]:
+        return _row_wise(
+            values, lambda flat: flat.numbers() and flat.values.dtype.kind != "f", lambda flat: (flat.values == 0) | (flat.values == 1), _binary_mask
+        )
 
     @pa.check("metadata", element_wise=True, name="json_object")
     def json_object(cls, text) -> bool:
@@ -179,6 +242,14 @@ def _length(values) -> int:
     return len(values) if _sized(values) else -1
 
 
+def _finite_logprobs(values) -> bool:
+    return _sized(values) and all(isinstance(x, (int, float, np.number)) and math.isfinite(x) and x <= 1e-4 for x in values)
+
+
+def _binary_mask(values) -> bool:
+    return _sized(values) and all(not isinstance(m, (float, np.floating)) and m in (0, 1) for m in values)
+
+
 def check_batch(
     frame: pd.DataFrame,
     source: str,
@@ -224,7 +295,8 @@ def _vocabulary_problems(frame: pd.DataFrame, vocab_size: int | None) -> list[st
         return []
     problems = []
     for column in TOKEN_COLUMNS:
-        rows = [i for i, tokens in frame[column].items() if _integer_ids(tokens).max() >= vocab_size]
+        below = _row_wise(frame[column], _Flat.integers, lambda flat: flat.values < vocab_size, lambda ids: bool((_integer_ids(ids) < vocab_size).all()))
+        rows = below.index[~below.to_numpy()].tolist()
         if rows:
             problems.append(f"column {column}: check 'ids_below_vocab_size({vocab_size})' failed at {_at(frame, rows)}")
     return problems
@@ -236,11 +308,14 @@ def _group_problems(frame: pd.DataFrame, group_size: int | None) -> list[str]:
         return []
     if group_size <= 0:
         raise ValueError(f"group_size must be > 0, got {group_size}")
-    rows = []
-    for start in range(0, len(frame), group_size):
-        block = frame.iloc[start : start + group_size]
-        if len(block) < group_size or block["prompt_id"].nunique() != 1 or block["index"].tolist() != list(range(group_size)):
-            rows += block.index.tolist()
+    position = np.arange(len(frame))
+    prompt_ids, first = frame["prompt_id"].to_numpy(), position - position % group_size
+    in_place = (frame["index"].to_numpy() == position % group_size) & (prompt_ids == prompt_ids[first])
+    whole = np.ones(-(-len(frame) // group_size), dtype=bool)
+    np.logical_and.at(whole, position // group_size, in_place)
+    if len(frame) % group_size:
+        whole[-1] = False  # a block cut short
+    rows = frame.index[~whole[position // group_size]].tolist()
     return [f"columns prompt_id, index: check 'whole_groups_of({group_size})' failed at {_at(frame, rows)}"] if rows else []
 
 

@@ -88,6 +88,46 @@ def test_float_negative_and_out_of_vocabulary_token_ids():
     check_batch(to_frame(large), "b.parquet")  # without a vocabulary size only the sign is checked
 
 
+MALFORMED = [
+    ("prompt_tokens", [True, 6], "integer_ids"),
+    ("prompt_tokens", [5, 2**64], "integer_ids"),
+    ("prompt_tokens", ["5", 6], "integer_ids"),
+    ("response_tokens", [8, None], "integer_ids"),
+    ("response_tokens", [[8], [9]], "integer_ids"),
+    ("response_tokens", "892", "integer_ids"),
+    ("response_tokens", [8, -3, 2], "non_negative_ids"),
+    ("rollout_logprobs", [-0.5, float("inf"), -1.0], "finite_logprobs"),
+    ("rollout_logprobs", [-0.5, 0.5, -1.0], "finite_logprobs"),
+    ("rollout_logprobs", [-0.5, "x", -1.0], "finite_logprobs"),
+    ("loss_mask", [1, 1.0, 1], "binary_mask"),
+    ("loss_mask", [1, 2, 1], "binary_mask"),
+    ("loss_mask", [1, "1", 1], "binary_mask"),
+    ("routed_experts", [0, -1], "expert_ids"),
+    ("routed_experts", [0.5, 1], "expert_ids"),
+]
+
+
+@pytest.mark.parametrize("column, value, check", MALFORMED)
+def test_a_malformed_value_names_its_row_among_well_formed_rows(column, value, check):
+    """The checks read a whole column at once where every row is well formed; one bad row among many is still named."""
+    frame = to_frame(batch(64))
+    frame.at[37, column] = value
+    expect(frame, f"column {column}", check, "rows [37]", "p18/1")
+
+
+def test_numpy_rows_as_parquet_reads_them_are_checked_like_lists(tmp_path):
+    samples = batch(64)
+    samples[21].response_tokens = [8, 9, 70000]
+    path = write_batch(samples, tmp_path / "b.parquet")
+    with pytest.raises(BatchError, match=r"ids_below_vocab_size\(65536\)' failed at rows \[21\]"):
+        read_batch(path, vocab_size=65536, group_size=2)
+    frame = pd.read_parquet(path)
+    frame.at[5, "loss_mask"] = frame.at[5, "loss_mask"] * 2  # an int64 array of twos
+    frame.at[9, "prompt_tokens"] = frame.at[9, "prompt_tokens"].astype(float)
+    expect(frame, "binary_mask", "rows [5]", "integer_ids", "rows [9]")
+    assert [s.response_tokens for s in read_batch(path)][21] == [8, 9, 70000]
+
+
 def test_sample_id_must_be_prompt_id_slash_index():
     frame = to_frame(batch())
     frame.at[1, "sample_id"] = "p7/1"
