@@ -9,7 +9,6 @@ difference of the trainer's and the rollout's log-probs on the trained tokens).
 from __future__ import annotations
 
 import html
-import os
 
 import flytekit
 import numpy as np
@@ -82,12 +81,11 @@ def _histogram(title: str, values: np.ndarray) -> str:
 
 
 def own_decks_only() -> None:
-    """In a forked Elastic worker, forget the decks inherited from the process that forked it.
+    """For a forked Elastic worker: forget the decks inherited from the process that forked it.
 
     A forked worker starts with a copy of its parent's deck list, and flytekit's Elastic plugin (1.16) appends every deck
     rank 0 returns to the parent's list: inherited decks would come back to the parent again, doubling the list with
     every Elastic task of a local run (convert, train, publish). Every worker clears its copy first, so it returns only
     the decks it makes; on a cluster the pod's list starts empty and this changes nothing.
     """
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torch's elastic agent in its workers
-        flytekit.current_context().decks.clear()
+    flytekit.current_context().decks.clear()

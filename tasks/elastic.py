@@ -8,7 +8,8 @@ nnodes, nproc, ...)`: the same task (name, cache version, image, resources) defi
 group restarts and rendezvous timeouts (what the pod's torch elastic launch reads), whose resolver writes them into the
 pod's arguments and builds the same variant in the pod. `redefined` is that definition for any task made with
 `resizable_task` (the async phase's Ray cluster is sized the same way, tasks/async_phase.py). A variant of one node
-meets no other agent, so it skips torch elastic's dynamic rendezvous (`OneNodeElasticTask`).
+meets no other agent, so it skips torch elastic's dynamic rendezvous (`OneNodeElasticTask`); a variant of one process
+whose work needs no process group runs in the task's own process (`OneProcessTask`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 from flytekit import task
 from flytekit.core.base_task import TaskResolverMixin
 from flytekit.core.context_manager import FlyteContextManager
+from flytekit.core.python_function_task import PythonFunctionTask
 from flytekit.core.task import TaskPlugins
 from flytekit.core.tracker import TrackedInstance
 from flytekitplugins.kfpytorch import Elastic
@@ -44,9 +46,12 @@ def resizable_task(**task_args):
 
 
 @functools.cache
-def sized(base, nnodes: int, nproc_per_node: int, max_restarts: int = 0, rdzv_timeout_s: int = 900, rdzv_join_timeout_s: int = 900):
+def sized(base, nnodes: int, nproc_per_node: int, max_restarts: int = 0, rdzv_timeout_s: int = 900, rdzv_join_timeout_s: int = 900, in_process: bool = False):
     """`base` (defined by `resizable_task`) with nnodes x nproc_per_node processes, `max_restarts` restarts of a failed worker
-    group, and the rendezvous timeouts (seconds) of its nodes; everything else as defined."""
+    group, and the rendezvous timeouts (seconds) of its nodes; everything else as defined. `in_process`: its one process
+    (1 x 1) is the task's own (`OneProcessTask`), for work that needs no process group."""
+    if in_process and (nnodes, nproc_per_node) != (1, 1):
+        raise ValueError(f"only a task of one process runs in its own process, not {nnodes} x {nproc_per_node}")
     config = dataclasses.replace(
         base.task_config,
         nnodes=nnodes,
@@ -55,7 +60,8 @@ def sized(base, nnodes: int, nproc_per_node: int, max_restarts: int = 0, rdzv_ti
         rdzv_configs={"timeout": rdzv_timeout_s, "join_timeout": rdzv_join_timeout_s},
     )
     if nnodes == 1:
-        config = OneNode(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+        kind = OneProcess if in_process else OneNode
+        config = kind(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
     return redefined(base, task_config=config, task_resolver=elastic_resolver)
 
 
@@ -73,9 +79,11 @@ def redefined(base, **changes):
     return variant
 
 
-def elastic(base, cluster: ClusterConfig, nnodes: int = 1, nproc_per_node: int = 1):
-    """`base` sized for a run: its processes, and the recipe's restarts and rendezvous timeouts (cluster section)."""
-    return sized(base, nnodes, nproc_per_node, cluster.max_restarts, cluster.rdzv_timeout_s, cluster.rdzv_join_timeout_s)
+def elastic(base, cluster: ClusterConfig, nnodes: int = 1, nproc_per_node: int = 1, in_process: bool = False):
+    """`base` sized for a run: its processes, and the recipe's restarts and rendezvous timeouts (cluster section);
+    `in_process`: a task of one process runs in its own (`sized`)."""
+    one_process = in_process and nnodes == nproc_per_node == 1
+    return sized(base, nnodes, nproc_per_node, cluster.max_restarts, cluster.rdzv_timeout_s, cluster.rdzv_join_timeout_s, one_process)
 
 
 # (argument name, Elastic field or rendezvous key) in the order the resolver writes and reads them
@@ -96,6 +104,7 @@ class ElasticResolver(TrackedInstance, TaskResolverMixin):
     def loader_args(self, settings, t) -> list[str]:
         fn, config = t.task_function, t.task_config
         numbers = [(arg, getattr(config, field)) for arg, field in _SIZES] + [(arg, config.rdzv_configs[key]) for arg, key in _RDZV]
+        numbers.append(("in-process", int(isinstance(config, OneProcess))))
         return ["task-module", fn.__module__, "task-name", fn.__name__, *(str(x) for pair in numbers for x in pair)]
 
     def get_all_tasks(self) -> list:
@@ -134,4 +143,23 @@ class OneNodeElasticTask(PytorchElasticFunctionTask):
                 os.environ["PET_RDZV_ENDPOINT"] = before
 
 
+@dataclasses.dataclass
+class OneProcess(OneNode):
+    """An Elastic config of one node and one process whose work needs no process group: the task runs as `OneProcessTask`."""
+
+
+class OneProcessTask(OneNodeElasticTask):
+    """A one-process Elastic task that runs its function in the task's own process, as a plain task: no agent, no forked
+    worker. A forked worker pays again, on every run of the task, what its process had not loaded yet (about 0.3 s of
+    lazy imports and first-call set-up of the checkpoint and batch readers on each train task of a local run), and
+    computes on one thread (it cannot start OpenMP again after a fork); in the task's own process all of that is paid
+    once and its threads are the process's. The compiled spec is the one-node plugin's (a plain pod), as for every
+    one-node variant. Only for work with no process group of its own (the torch backend's: one process, world size 1),
+    which would otherwise outlive the task in the process."""
+
+    def execute(self, **kwargs):
+        return PythonFunctionTask.execute(self, **kwargs)
+
+
 TaskPlugins.register_pythontask_plugin(OneNode, OneNodeElasticTask)
+TaskPlugins.register_pythontask_plugin(OneProcess, OneProcessTask)

@@ -8,7 +8,8 @@ under the run root. `code` is the digest of the recipe's plug-in modules the tas
 convert, train and publish run as kfpytorch `Elastic` tasks: their workers are fresh processes
 (torchrun semantics, one per GPU on a cluster; locally `start_method="fork"`, gloo on CPU), so a
 backend's process groups never live in the workflow's own process. Elastic returns rank 0's
-value. The train task's processes (`train_task`: a variant defined with the recipe's nnodes x nproc_per_node), every
+value. One process of the torch backend (world size 1, no process group) runs in the task's own process instead
+(tasks/elastic.py `OneProcessTask`). The train task's processes (`train_task`: a variant defined with the recipe's nnodes x nproc_per_node), every
 Elastic task's restarts and rendezvous (`tasks.elastic.elastic`), and each node's GPUs, memory, retries and timeout
 (`tasks.metadata.stage_overrides`) come from the recipe; the workflow applies them. What each task declares is the
 default (tasks/metadata.py); `recoverable` marks network and object-store errors for Flyte's retries (tasks/retry.py).
@@ -83,15 +84,18 @@ ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork", monitor_i
 def train_task(cfg: TrainConfig, cluster: ClusterConfig = DEFAULTS):
     """The train task with the recipe's processes, train.nnodes x train.nproc_per_node (data parallel on either backend;
     megatron also splits tensors, layers and experts), and its restarts and rendezvous timeouts. Locally the workers fork
-    from the task's process; on a cluster each node is a pod."""
-    return elastic(train, cluster, cfg.nnodes, cfg.nproc_per_node)
+    from the task's process; on a cluster each node is a pod. One process of the torch backend runs in the task's own."""
+    return elastic(train, cluster, cfg.nnodes, cfg.nproc_per_node, in_process=cfg.backend == "torch")
 
 
 def _forked_worker() -> None:
-    # the worker is forked from a process whose OpenMP thread team already ran (libgomp is not fork-safe):
-    # a new team would deadlock, so the worker computes on its one thread (one process per core here)
-    torch.set_num_threads(1)
-    own_decks_only()  # the decks it returns are its own
+    """In a worker torch elastic forked (a one-process task of the torch backend runs in its own process instead:
+    tasks/elastic.py `OneProcessTask`): it computes on one thread, since it was forked from a process whose OpenMP
+    thread team already ran (libgomp is not fork-safe: a new team would deadlock; one process per core here), and the
+    decks it returns are its own."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torch's elastic agent in its workers
+        torch.set_num_threads(1)
+        own_decks_only()
 
 
 def _prompts(dataset_file, data: DataConfig) -> list[Prompt]:

@@ -37,7 +37,7 @@ def iterated(cfg: RunConfig, ckpt, policy: Policy, reference: Policy, teacher, d
 
 def converted(cfg: RunConfig, start: Policy):
     """The base policy in the trainer backend's format, once before the first iteration."""
-    node = elastic(convert, cfg.cluster)(cfg=cfg.train, algo=cfg.algo, policy=start, root=cfg.run_root)
+    node = elastic(convert, cfg.cluster, in_process=cfg.train.backend == "torch")(cfg=cfg.train, algo=cfg.algo, policy=start, root=cfg.run_root)
     return node.with_overrides(**stage_overrides(cfg, "convert"))
 
 
@@ -98,7 +98,9 @@ def trained_on(cfg: RunConfig, ckpt, batch, reference: Policy, iteration: int, c
 
 def published(cfg: RunConfig, ckpt, parent):
     """The checkpoint exported as the next policy version."""
-    node = elastic(publish, cfg.cluster)(cfg=cfg.publish, train_cfg=cfg.train, ckpt=ckpt, parent=parent, root=cfg.run_root)
+    node = elastic(publish, cfg.cluster, in_process=cfg.train.backend == "torch")(
+        cfg=cfg.publish, train_cfg=cfg.train, ckpt=ckpt, parent=parent, root=cfg.run_root
+    )
     return node.with_overrides(**stage_overrides(cfg, "publish"))
 
 

@@ -105,6 +105,7 @@ def test_the_elastic_tasks_restart_and_rendezvous_as_the_recipe_says(two_nodes):
             "max-restarts": "7",
             "rdzv-timeout": "1200",
             "rdzv-join-timeout": "2400",
+            "in-process": "0",  # megatron's tasks, one process or more, run in the workers torch elastic starts
         }
 
 

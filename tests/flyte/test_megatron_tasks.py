@@ -39,7 +39,8 @@ def test_a_pod_builds_the_train_task_again_with_the_recipe_processes():
     sized = rl_tasks.train_task(TrainConfig(nnodes=4, nproc_per_node=8))
     args = elastic_resolver.loader_args(SETTINGS, sized)
     assert args == ["task-module", "tasks.rl", "task-name", "train", "nnodes", "4", "nproc-per-node", "8"] + [
-        *("max-restarts", "0", "rdzv-timeout", "900", "rdzv-join-timeout", "900")  # the cluster section's defaults
+        *("max-restarts", "0", "rdzv-timeout", "900", "rdzv-join-timeout", "900"),  # the cluster section's defaults
+        *("in-process", "0"),
     ]
     loaded = elastic_resolver.load_task(args)
     assert loaded.name == rl_tasks.train.name and (loaded.task_config.nnodes, loaded.task_config.nproc_per_node) == (4, 8)
