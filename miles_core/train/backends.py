@@ -56,7 +56,7 @@ def convert_checkpoint(cfg: TrainConfig, algo: AlgoConfig, policy_dir: str, out_
 
         hf_to_torch_dist(policy_dir, out_dir, cfg.seed)
     else:
-        TorchTrainer.from_hf(policy_dir, cfg).save(str(out_dir))
+        TorchTrainer.from_hf(policy_dir, cfg, device="cpu").save(str(out_dir))
     new_critic(algo, cfg, policy_dir, out_dir)
     copy_tokenizer(policy_dir, out_dir)
 
@@ -79,7 +79,7 @@ def export_policy(
 
         trainer = TorchDistCheckpoint(ckpt_dir)
     else:
-        trainer = TorchTrainer.load(ckpt_dir, cfg, base_dir)
+        trainer = TorchTrainer.load(ckpt_dir, cfg, base_dir, device="cpu")
     adapter = (cfg.lora, base_dir) if cfg.lora.rank else None
     return publish(trainer, ckpt_dir, out_dir, publish_cfg.dtype, version, parent_version, source, publish_cfg.fmt, adapter)
 
@@ -121,7 +121,7 @@ def _critic_cfg(algo: AlgoConfig, cfg: TrainConfig) -> TrainConfig:
 def new_critic(algo: AlgoConfig, cfg: TrainConfig, policy_dir: str, ckpt_dir) -> None:
     """PPO: a fresh critic (the policy's transformer with a value head) saved beside a new checkpoint."""
     if algo.advantage == "ppo":
-        TorchCritic.from_hf(policy_dir, _critic_cfg(algo, cfg)).save(str(Path(ckpt_dir) / "critic"))
+        TorchCritic.from_hf(policy_dir, _critic_cfg(algo, cfg), device="cpu").save(str(Path(ckpt_dir) / "critic"))
 
 
 def load_critic(algo: AlgoConfig, cfg: TrainConfig, ckpt_dir: str) -> TorchCritic | None:

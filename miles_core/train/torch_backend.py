@@ -3,7 +3,8 @@
 The embedded default: this module supplies the HF model's forward pass (the policy loaded by
 `miles_core.models.load_causal_lm`: any family, a multimodal checkpoint as its text model), the backward pass of a
 mini-batch in micro-batches and the clipped AdamW step; the mini-batch loop is `TrainerBase`'s.
-Under a multi-process launcher it is data parallel over gloo: every process holds the whole model,
+It computes on the CPU, or with train.gpus_per_node on its process's GPU (`train_device`; convert and publish read and
+write checkpoints on the CPU). Under a multi-process launcher it is data parallel over gloo (NCCL between GPUs): every process holds the whole model,
 trains on its share of each mini-batch's rows, and the gradients are summed before the step (the
 same arithmetic as DDP; every process then holds the same weights, and rank 0 writes). `TorchCritic` is the same trainer around a value model (the policy's
 transformer with a scalar head, HF's *ForTokenClassification), for PPO; its `logprobs` are
@@ -40,10 +41,24 @@ from miles_core.weights.adapter import adapter_state, is_adapter_dir, load_adapt
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def join_process_group() -> None:
-    """Under a multi-process launcher (torchrun, a kfpytorch Elastic task: WORLD_SIZE > 1), join its gloo group."""
+def train_device(cfg: TrainConfig) -> str:
+    """Where a trainer of `cfg` computes: its process's GPU (cuda:LOCAL_RANK, one process per GPU) when the recipe gives
+    the train pods GPUs (train.gpus_per_node), else the CPU."""
+    if not cfg.gpus_per_node:
+        return "cpu"
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise RuntimeError(f"train.gpus_per_node is {cfg.gpus_per_node}, but this process sees no CUDA device (CUDA_VISIBLE_DEVICES={visible!r})")
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
+def join_process_group(device: torch.device) -> None:
+    """Under a multi-process launcher (torchrun, a kfpytorch Elastic task: WORLD_SIZE > 1), join its group: NCCL between
+    GPUs, gloo between CPU processes."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
 def _data_parallel() -> tuple[int, int]:
@@ -57,9 +72,10 @@ def _rows_of(rank: int, world: int, n: int) -> slice:
 
 
 class TorchTrainer(TrainerBase):
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, step: int = 0, device: str = "cpu"):
-        join_process_group()
-        self.device = torch.device(device)  # the model's and each pass's; batches arrive, and log-probs leave, on the CPU
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, step: int = 0, device: str | None = None):
+        # the model's and each pass's (None: `train_device`); batches arrive, and log-probs leave, on the CPU
+        self.device = torch.device(device or train_device(cfg))
+        join_process_group(self.device)
         self.model = with_adapters(model.float().to(self.device).train(), cfg.lora)
         self.cfg = cfg
         self.step = step
@@ -77,14 +93,14 @@ class TorchTrainer(TrainerBase):
         return load_causal_lm(path, torch.float32)
 
     @classmethod
-    def from_hf(cls, policy_dir: str, cfg: TrainConfig, device: str = "cpu") -> TorchTrainer:
+    def from_hf(cls, policy_dir: str, cfg: TrainConfig, device: str | None = None) -> TorchTrainer:
         torch.manual_seed(cfg.seed)
         trainer = cls(cls.load_model(policy_dir), cfg, device=device)
         trainer.mtp = MtpTrainer.for_policy(trainer.model, policy_dir, cfg)
         return trainer
 
     @classmethod
-    def load(cls, ckpt_dir: str, cfg: TrainConfig, base_dir: str | None = None, device: str = "cpu") -> TorchTrainer:
+    def load(cls, ckpt_dir: str, cfg: TrainConfig, base_dir: str | None = None, device: str | None = None) -> TorchTrainer:
         """The trainer saved in ckpt_dir; a LoRA checkpoint's adapter goes onto the base model of base_dir."""
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text())
         if is_adapter_dir(ckpt_dir) != bool(cfg.lora.rank):
@@ -195,7 +211,7 @@ class TorchTrainer(TrainerBase):
     def _totals(self, sums: dict, tokens: float) -> dict[str, float]:
         if _data_parallel()[1] > 1:
             names = sorted(sums)
-            summed = torch.tensor([float(sums[k]) for k in names], dtype=torch.float64)
+            summed = torch.tensor([float(sums[k]) for k in names], dtype=torch.float64, device=self.device)
             dist.all_reduce(summed)
             sums = dict(zip(names, summed.tolist()))
         return super()._totals(sums, tokens)

@@ -52,9 +52,10 @@ def test_engine_on_cuda_decodes_as_on_cpu(policy_dir, speculative_tokens):
     assert same >= 14, f"the same uniforms on both devices should draw the same tokens but for rounding; {same} of 16 rows agree"
 
 
-def test_trainer_on_cuda_takes_the_cpu_step(policy_dir):
-    rng = random.Random(0)
-    samples = [
+def scored_groups(seed: int) -> list[Sample]:
+    """Four groups of four samples: random prompts and responses, rewards of 0 and 1."""
+    rng = random.Random(seed)
+    return [
         Sample(
             f"p{i // 4}",
             i % 4,
@@ -70,6 +71,10 @@ def test_trainer_on_cuda_takes_the_cpu_step(policy_dir):
         )
         for i in range(16)
     ]
+
+
+def test_trainer_on_cuda_takes_the_cpu_step(policy_dir):
+    samples = scored_groups(0)
     fns = bind(rollout=RolloutConfig(n_samples=4, temperature=1.0))
     metrics, logprobs = {}, {}
     for device in ("cpu", "cuda"):
@@ -80,3 +85,22 @@ def test_trainer_on_cuda_takes_the_cpu_step(policy_dir):
     torch.testing.assert_close(logprobs["cuda"], logprobs["cpu"], atol=1e-4, rtol=1e-4)
     for key in ("train/loss", "train/grad_norm", "train/mtp_loss"):
         assert metrics["cuda"][key] == pytest.approx(metrics["cpu"][key], rel=1e-3, abs=1e-5), key
+
+
+def test_a_recipe_with_train_gpus_trains_its_stage_on_the_gpu(policy_dir, tmp_path):
+    """The train stage of a recipe with train.gpus_per_node (convert, train, publish as the tasks run them) computes on
+    the GPU, takes the CPU's step and leaves a checkpoint the CPU-only publish reads."""
+    from miles_core.config import AlgoConfig, PublishConfig
+    from miles_core.train.backends import convert_checkpoint, export_policy, load_trainer, train_checkpoint
+
+    samples = scored_groups(1)
+    fns = bind(rollout=RolloutConfig(n_samples=4, temperature=1.0))
+    losses = {}
+    for gpus in (0, 1):
+        cfg = TrainConfig(lr=1e-3, micro_batch_size=4, nproc_per_node=1, gpus_per_node=gpus)
+        convert_checkpoint(cfg, AlgoConfig(), policy_dir, tmp_path / f"c{gpus}")
+        assert load_trainer(cfg, str(tmp_path / f"c{gpus}")).device.type == ("cuda" if gpus else "cpu")
+        _, metrics = train_checkpoint(cfg, fns, str(tmp_path / f"c{gpus}"), samples, policy_dir, tmp_path / f"t{gpus}", 0)
+        losses[gpus] = metrics["train/loss"]
+        export_policy(cfg, str(tmp_path / f"t{gpus}"), tmp_path / f"p{gpus}", PublishConfig(), 1, 0)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3, abs=1e-5)

@@ -187,3 +187,29 @@ def test_advantages_see_the_loss_mask_and_kl_in_the_reward_its_clamp(policy_dir)
     log_ratio = reference.logprobs(pack(samples, 0), 1.0) - torch.tensor(-1.0)  # the reference's against the rollout's (-1.0)
     assert (log_ratio < -1.5).all()  # every log-ratio is past the clamp, so the clamp decides the KL
     assert torch.allclose(seen["kl"], torch.full((2, 2), math.exp(-1.5) + 1.5 - 1.0))
+
+
+def test_a_trainer_computes_where_the_recipe_gives_it_gpus(monkeypatch):
+    """train.gpus_per_node: each process trains on its own GPU (LOCAL_RANK, as torch elastic numbers its workers); a
+    process that sees no CUDA device refuses, naming the key, instead of training on the CPU of a GPU pod."""
+    from miles_core.train.torch_backend import train_device
+
+    assert train_device(TrainConfig()) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="train.gpus_per_node is 2, but this process sees no CUDA device"):
+        train_device(TrainConfig(gpus_per_node=2))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert train_device(TrainConfig(gpus_per_node=2)) == "cuda:1"
+
+
+def test_convert_and_publish_of_a_gpu_recipe_need_no_gpu(policy_dir, tmp_path, monkeypatch):
+    """The convert and publish pods of a recipe that trains on GPUs have none: they read and write on the CPU."""
+    from miles_core.config import PublishConfig
+    from miles_core.train.backends import convert_checkpoint, export_policy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = TrainConfig(gpus_per_node=2, nproc_per_node=2)
+    convert_checkpoint(cfg, AlgoConfig(advantage="ppo"), policy_dir, tmp_path / "ckpt")
+    manifest = export_policy(cfg, str(tmp_path / "ckpt"), tmp_path / "policy", PublishConfig(), 1, 0)
+    assert manifest["version"] == 1 and (tmp_path / "policy" / "model.safetensors").exists()
