@@ -7,6 +7,8 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from miles_core.storage import user_cache
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -20,8 +22,9 @@ def workflow_command(recipe: str, root: Path, *overrides: str) -> list[str]:
 
 def run_workflow(recipe: str, root: Path, home: str, *overrides: str) -> None:
     """One local execution of workflows/rl.py with `recipe` (plus key=value overrides) under `root`;
-    `home` holds its Flyte cache, so benchmarks sharing a home share cached stages."""
-    out = subprocess.run(workflow_command(recipe, root, *overrides), cwd=REPO, env={**os.environ, "HOME": home}, capture_output=True, text=True)
+    `home` holds its Flyte cache, so benchmarks sharing a home share cached stages; the machine's own caches stay the user's."""
+    env = {**os.environ, "HOME": home, "XDG_CACHE_HOME": str(user_cache())}
+    out = subprocess.run(workflow_command(recipe, root, *overrides), cwd=REPO, env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{recipe}: workflow failed\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
 

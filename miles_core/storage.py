@@ -52,6 +52,12 @@ def atomic_dir(path: str | os.PathLike):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def user_cache() -> Path:
+    """The user's cache folder ($XDG_CACHE_HOME, else ~/.cache; the Makefile's environments live there too): what a machine
+    keeps between runs. A run given a fresh HOME (a private Flyte cache) is still given this one."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike):
     """Yield a temporary file path that replaces `path` once the block succeeds."""

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.storage import user_cache
+
 REPO = Path(__file__).resolve().parents[1]
 PYFLYTE = Path(sys.executable).parent / "pyflyte"
 # The files that take minutes (pytest --durations), longest first. `make test` hands whole files to two workers in
@@ -53,7 +55,8 @@ def workflow_command(recipe: str, root: Path, *overrides: str, workflow: tuple[s
 def workflow_env(home: Path) -> dict:
     home.mkdir(parents=True, exist_ok=True)
     # COLUMNS: flytekit prints errors through rich, which breaks a long word (a deep temporary path) at the terminal width
-    return {**os.environ, "HOME": str(home), "FLYTE_SDK_LOGGING_LEVEL": "20", "TRANSFORMERS_VERBOSITY": "error", "COLUMNS": "1000"}
+    env = {"HOME": str(home), "XDG_CACHE_HOME": str(user_cache())}  # a private Flyte cache; the machine's own caches
+    return {**os.environ, **env, "FLYTE_SDK_LOGGING_LEVEL": "20", "TRANSFORMERS_VERBOSITY": "error", "COLUMNS": "1000"}
 
 
 def extends(target: Path, recipe: Path) -> str:
