@@ -5,7 +5,7 @@ For each precision the trainer publishes its policy as the rollout engine loads 
 responses from it (recording its routing), and the trainer recomputes their log-probs, routed by itself and with the
 rollout's experts replayed:
 * fp32: engine and trainer in fp32 (the reference: the same numbers but for summation order);
-* bf16: the engine in bf16 (`rollout.dtype`), the trainer under bf16 autocast (`train.dtype`);
+* bf16: the engine in bf16 (`rollout.dtype`), the trainer computing with its bf16 copy of the weights (`train.dtype`);
 * fp8, mxfp8: the engine on FP8 / MXFP8 weights (`publish.quantization`), the trainer in fp32;
 * int4: the engine on int4 weights (groups of 32), the trainer in fp32; int4-qat: the same with `train.qat: int4`.
 Reported per row: mean |train - rollout log-prob|, KL(rollout || train), the fraction of tokens beyond

@@ -12,9 +12,14 @@ the values V(s_t) of the state before each response token.  A checkpoint is a di
 (`save_pretrained`), `optimizer.pt` and `trainer_state.json` (step, torch RNG state), so a
 resumed run continues bitwise on CPU.  With train.lora the model carries PEFT's LoRA adapters: the base weights are
 frozen, the optimizer holds the adapters (and train.lora.trainable), and a checkpoint holds the adapter alone
-(weights/adapter.py) where it would hold the model; the base it applies to is the train task's reference policy.  The weights and AdamW state are fp32 whatever train.dtype says; with
-bfloat16 the forward passes run under `torch.autocast` (matrix products in bf16, as HF Trainer's bf16=True), and
-log-probs and entropy are taken in fp32 from the bf16 logits (algos/kl.py).
+(weights/adapter.py) where it would hold the model; the base it applies to is the train task's reference policy.  The weights and AdamW state are fp32 whatever train.dtype says.  With
+bfloat16 the passes compute with a bf16 copy of the weights, made once per optimizer step (`torch.func.functional_call`
+puts it in the fp32 parameters' place), and each micro-batch's bf16 gradients are added into fp32 gradients of the
+master weights, as mixed-precision trainers do (Megatron's bf16 with fp32 main params): activations and the residual
+stream are bf16, RMSNorm and softmax statistics fp32 (HF's modules upcast), log-probs and entropy fp32 from the bf16
+logits (algos/kl.py).  `torch.autocast` computes the same matrix products but re-casts every weight in every forward
+and keeps the activations fp32 around them: on a 2-core CPU the bf16 GRPO step of bench/trainer.py took ~1.4x less
+CPU time this way.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ from miles_core.train.qat import fake_quantize_forward
 from miles_core.weights.adapter import adapter_state, is_adapter_dir, load_adapter_state, with_adapters, write_adapter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A bf16 pass that will be differentiated runs HF's eager attention on the CPU up to this many tokens: PyTorch's CPU
+# flash-attention backward in bf16 is slow on short sequences (torch 2.13, 2 cores, 8 heads of 64, forward + backward:
+# 128 sequences of 32 tokens ~115 ms, 3x its fp32 kernel, against ~35 ms eager; 32 of 128 tokens ~130 against ~75 ms),
+# while the eager product's cost grows with the square of the length (8 of 512 tokens: ~135 flash against ~330 ms).
+_BF16_CPU_EAGER_ATTENTION_MAX_LEN = 256
 
 
 def train_device(cfg: TrainConfig) -> str:
@@ -86,6 +96,8 @@ class TorchTrainer(TrainerBase):
         trained = [p for p in self.model.parameters() if p.requires_grad]  # all but a frozen vision tower (load_causal_lm) or LoRA's base
         # fused: one kernel per tensor for the whole update (CPU and CUDA) where the for-each loop makes ~8 passes over memory
         self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, fused=True)
+        self._bf16_weights: dict[str, torch.Tensor] | None = None  # train.dtype bfloat16: the copy the passes compute with, made when first needed
+        self._attention = self.model.config._attn_implementation  # the model's own; a short bf16 pass on the CPU swaps in eager (_logits)
 
     @staticmethod
     def load_model(path: str) -> torch.nn.Module:
@@ -149,7 +161,7 @@ class TorchTrainer(TrainerBase):
     def _forward(self, batch: PackedBatch, temperature: float, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [b, T] of the batch's response tokens, and their entropy [b, T] unless `entropy` is False (None then)."""
         with self._replaying(batch):
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]  # [b, L-1, V]
+            logits = self._logits(batch)[:, :-1]  # [b, L-1, V]
         index = batch.gather_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         response_logits = logits.gather(1, index)  # [b, T, V]
         targets = batch.input_ids[:, 1:].gather(1, batch.gather_index)  # [b, T]
@@ -158,9 +170,27 @@ class TorchTrainer(TrainerBase):
             return logprobs, None
         return logprobs, entropy_from_logits(response_logits / temperature) * batch.response_mask  # in the graph: entropy bonus
 
-    def _compute_precision(self) -> torch.autocast:
-        """The context of every forward pass: bf16 autocast when train.dtype is bfloat16, else a no-op."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16")
+    def _logits(self, batch: PackedBatch) -> torch.Tensor:
+        """The model's output [b, L, V] on the batch: with the fp32 weights, or with their bf16 copy when train.dtype is bfloat16."""
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        if self.cfg.dtype != "bfloat16":
+            return self.model(**inputs).logits
+        if self._bf16_weights is None:
+            self._bf16_weights = {name: p.detach().to(torch.bfloat16).requires_grad_(p.requires_grad) for name, p in self.model.named_parameters()}
+        short = batch.input_ids.shape[1] <= _BF16_CPU_EAGER_ATTENTION_MAX_LEN
+        self.model.config._attn_implementation = "eager" if self.device.type == "cpu" and short and torch.is_grad_enabled() else self._attention
+        try:
+            return torch.func.functional_call(self.model, self._bf16_weights, (), inputs).logits
+        finally:
+            self.model.config._attn_implementation = self._attention  # the model's own for every other user (the MTP head's pass)
+
+    def _accumulate_bf16_grads(self) -> None:
+        """Add the gradients of the bf16 copy into the fp32 parameters' (train.dtype bfloat16), micro-batch by
+        micro-batch: summed in fp32, as the optimizer reads them."""
+        for name, param in self.model.named_parameters():
+            grad, self._bf16_weights[name].grad = self._bf16_weights[name].grad, None
+            if grad is not None:
+                param.grad = grad.float() if param.grad is None else param.grad.add_(grad)
 
     def _replaying(self, batch: PackedBatch):
         """The rollout's experts forced on the batch's positions where it carries routing (R3), else nothing."""
@@ -179,8 +209,7 @@ class TorchTrainer(TrainerBase):
         if self.taps is not None:
             self.taps.agreement = (0.0, 0.0)  # routing_metrics: of this pass
         step, batch = self.cfg.micro_batch_size, batch.to(self.device)
-        with self._compute_precision():
-            return torch.cat([self._forward(batch.select(slice(i, i + step)), temperature, entropy=False)[0] for i in range(0, len(batch), step)]).cpu()
+        return torch.cat([self._forward(batch.select(slice(i, i + step)), temperature, entropy=False)[0] for i in range(0, len(batch), step)]).cpu()
 
     def _backward(self, mini: PackedBatch, weights: torch.Tensor, extras: dict, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         """This process's rows of the mini-batch in micro-batches; with several processes the gradients
@@ -193,10 +222,11 @@ class TorchTrainer(TrainerBase):
         for start in range(0, len(mini), self.cfg.micro_batch_size):
             micro_rows = slice(start, start + self.cfg.micro_batch_size)
             micro = mini.select(micro_rows)
-            with self._compute_precision():
-                logprobs, entropy = self._forward(micro, temperature)
+            logprobs, entropy = self._forward(micro, temperature)
             loss, metrics = loss_fn(logprobs, entropy, micro.loss_mask, {k: v[micro_rows] for k, v in extras.items()})
             (loss * weights[micro_rows]).sum().backward()
+            if self._bf16_weights is not None:
+                self._accumulate_bf16_grads()
             if entropy is not None:
                 metrics = {"entropy": entropy.detach(), **metrics}
             for name, values in {"loss": loss.detach(), **metrics}.items():
@@ -224,6 +254,7 @@ class TorchTrainer(TrainerBase):
     def _optimizer_step(self) -> float:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         self.optimizer.step()
+        self._bf16_weights = None  # stale: the next pass copies the updated weights
         return grad_norm
 
     def _is_writer(self) -> bool:
@@ -247,5 +278,5 @@ class TorchCritic(TorchTrainer):
         return AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float32, num_labels=1)
 
     def _forward(self, batch: PackedBatch, temperature: float, entropy: bool = True) -> tuple[torch.Tensor, None]:  # a value has no entropy
-        hidden = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1, 0]  # [b, L-1]
+        hidden = self._logits(batch)[:, :-1, 0]  # [b, L-1]
         return hidden.gather(1, batch.gather_index) * batch.response_mask, None  # [b, T] V before each token
