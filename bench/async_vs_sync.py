@@ -10,38 +10,53 @@ Throughput is consumed samples (and their response tokens) per second over the t
 from the first rollout to the end of the last step; start-up (sync: engine and trainer loading;
 async: starting the Ray actors) is reported apart, as is the async phase's whole wall time. Rollout
 actors start generating while the trainer actor loads, so the async run may begin with up to
-`queue_size` groups ready: use K well above queue_size / prompts_per_step. The reward is the mean
-training reward of the last three steps and the held-out greedy accuracy after the last step.
-Both sides use `--threads` torch threads per process (sync: one process; async: each actor).
+`queue_size` groups ready: use K well above queue_size / prompts_per_step. Both sides train on the
+same number of samples (`trained_samples`; the bench fails if they differ). The reward is the mean
+training reward (last three steps, and by quarter of the run) and the greedy accuracy on the
+recipe's held-out prompts after the last step, with its standard error over those prompts; the
+SFT start's held-out accuracy is the baseline. The smoke recipe has 32 held-out prompts (its
+one-digit problem set has 81 problems in all): too few to tell two policies apart by a few points;
+the 2-digit recipes have 256. Both sides use `--threads` torch threads per process (sync: one
+process; async: each actor). `--work-dir DIR` keeps the preparation tasks' Flyte cache (base
+model, data, SFT) in DIR, so a second run with the same recipe starts from there.
 
-    python bench/async_vs_sync.py [--recipe recipes/smoke_async.yaml] [--steps 16] [--remote-reward-delay LOW HIGH] [key=value ...]
+    python bench/async_vs_sync.py [--recipe recipes/smoke_async.yaml] [--steps 16] [--remote-reward-delay LOW HIGH] [--work-dir DIR] [key=value ...]
 
 With `--remote-reward-delay LOW HIGH`, both sides score through a reward model on loopback
 (bench/reward_server.py, its own process) that answers each request with the recipe's own reward.fn
 after LOW to HIGH seconds (uniform, seeded by the request): the recipe's reward.fn becomes
 `miles_core.rewards.hub:remote`, the path a recipe with a remote reward model takes, so rewards are
-the local ones and only their wait differs. The sync loop scores a step's batch at once,
-reward.remote_concurrency requests in flight (`step.score`); each rollout actor scores a lease in a
-thread while it generates the next, reward.remote_concurrency requests in flight per actor. The
-reward-bound case of issue 22 is
+the local ones and only their wait differs. Each process keeps at most reward.remote_concurrency
+requests in flight (a recipe key, `reward.remote_concurrency=N` on the command line; the same on
+both sides): the sync loop scores a step's batch at once (`step.score`); each rollout actor scores
+its leases in threads while it generates the next, holding enough leases to fill its slots
+(`async_rollout.scoring_leases`). The reward-bound case of issue 22 is
 
     python bench/async_vs_sync.py --steps 32 --remote-reward-delay 0.05 0.2 async_phase.prompts_per_lease=2 async_phase.max_staleness=2
 
 (a lease of 2 prompts x 4 samples fits the 8 request slots of an actor, so a lease waits about one
-round trip; a round trip is about a training step here, so max_staleness 2 keeps those samples,
-where 1 drops a share of them: `dropped_samples`). The async side's reward throughput is bounded by
-its requests in flight, reward.remote_concurrency per rollout actor, against the sync loop's one
-batch at reward.remote_concurrency at a time: with 2 actors, about twice the sync loop's.
+round trip; a round trip is about a training step here, so max_staleness 2 keeps those samples).
+Its async side is bounded by its requests in flight, 8 per rollout actor, against the sync loop's
+one batch at 8 at a time: with 2 actors, about twice the sync loop's. The same case on the 2-digit
+problem set, whose 256 held-out prompts tell the rewards apart (SFT from the recipe's own steps
+takes minutes here: use --work-dir to run it again):
+
+    python bench/async_vs_sync.py --recipe recipes/tiny_arith_async.yaml --steps 32 --remote-reward-delay 0.05 0.2 sft.steps=1000 rollout.prompts_per_step=16 rollout.n_samples=8 async_phase.rollout_workers=2 async_phase.worker_cpus=0.5 async_phase.prompts_per_lease=4 async_phase.queue_size=32 reward.remote_concurrency=32
 
 JSON fields. `sync` / `async`: samples_per_s and tokens_per_s (consumed, over run_s), run_s,
-startup_s, samples, final_reward (mean training reward of the last 3 steps), held_out_accuracy
-(greedy, on the held-out prompts, scored the same way), stage_s_per_step (sync: mean seconds per
+startup_s, samples, final_reward (mean training reward of the last 3 steps), reward_by_quarter,
+reward_failures (trained samples whose reward request failed and scored reward.fallback),
+behaviour_kl (mean over steps of mismatch/kl_rollout_train: how far the trainer's policy at the
+step's start was from the policies that generated its samples; about 0 in the sync loop),
+held_out_accuracy and held_out_accuracy_se (greedy, on the held-out prompts, scored the same way),
+stage_s_per_step (sync: mean seconds per
 step of generation `rollout`, reward wait `score` and `train`, one after another; async: the
 trainer's `train`, `weight_push` and `trainer_idle` (waiting for samples) per step, and the rollout
 actors' `rollout_generate` and `rollout_score` seconds per step's worth of samples, summed over the
 actors, which work side by side); async also has the phase's own async/ metrics (queue depth,
 staleness fractions, dropped_samples: generated but too stale to train on, rollout busy/score/idle
-seconds summed over actors) and phase_wall_s. `ratio_samples_per_s` / `ratio_tokens_per_s`: async
+seconds summed over actors) and phase_wall_s. `trained_samples`, `held_out_prompts`,
+`start_held_out_accuracy`: see above. `ratio_samples_per_s` / `ratio_tokens_per_s`: async
 over sync. `bound_by`: for each side, the stage that limits its throughput, derived from those
 stage times (async: the trainer when it hardly waits for samples, else the rollout actors' supply
 and which of reward wait or generation dominates it), with the reward requests each side may have
@@ -52,13 +67,11 @@ threads, rollout actors, cores, load average before and after, and peak memory.
 
 import argparse
 import contextlib
-import os
-import tempfile
-
-os.environ["HOME"] = tempfile.mkdtemp(prefix="bench-async-")  # a private Flyte cache for the preparation tasks
-
 import dataclasses
+import math
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,14 +90,16 @@ from miles_core.rollout.engines import make_engine
 from miles_core.step import bind, run_step
 from miles_core.step import evaluate as evaluate_policy
 from miles_core.train.torch_backend import TorchTrainer
-from tasks.prepare import admit_model, base_model, make_data
-from tasks.rl import convert
-from tasks.sft import sft
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def prepare(cfg):
+    """The workflow's own preparation tasks, locally: their Flyte cache lives under HOME, which main sets first."""
+    from tasks.prepare import admit_model, base_model, make_data
+    from tasks.rl import convert
+    from tasks.sft import sft
+
     base = admit_model(base=base_model(cfg=cfg.model, root=cfg.run_root), train=cfg.train, rollout=cfg.rollout)
     dataset = make_data(cfg=cfg.data, root=cfg.run_root)
     start = sft(cfg=cfg.sft, data=cfg.data, base=base, dataset=dataset, root=cfg.run_root)
@@ -99,14 +114,14 @@ def run_sync(cfg, start, prompts, ckpt_dir: str, steps: int, threads: int):
     trainer, tokenizer = TorchTrainer.load(ckpt_dir, cfg.train), AutoTokenizer.from_pretrained(ckpt_dir)
     source = plugin(cfg.data, "data", "source_fn")(prompts, cfg.data.seed, DataState())
     fns = bind(rollout=cfg.rollout, reward=cfg.reward, algo=cfg.algo, hooks=cfg.hooks, evaluation=cfg.evaluation)
-    ready, consumed, rewards, stages = time.perf_counter(), [], [], []
+    ready, consumed, steps_metrics, stages = time.perf_counter(), [], [], []
     for step in range(steps):
         samples, _, metrics = run_step(engine, source, tokenizer, fns, trainer, [], step)
-        rewards.append(metrics["reward/mean"])
+        steps_metrics.append(metrics)
         engine.load_state_dict(trainer.model.state_dict(), start.version + step + 1)
         consumed.append(samples)
         stages.append({k: metrics[f"time/{k}_s"] for k in ("rollout", "score", "train")})
-    out = summary(consumed, rewards, ready - started, time.perf_counter() - ready)
+    out = summary(consumed, steps_metrics, ready - started, time.perf_counter() - ready)
     out["stage_s_per_step"] = {k: round(statistics.fmean(s[k] for s in stages), 3) for k in stages[0]}
     return out, engine
 
@@ -135,7 +150,7 @@ def run_async(cfg, start, prompts, ckpt_dir: str, steps: int, out: str):
     )
     result = run_phase(spec, out)
     m = result.metrics
-    out_summary = summary(result.consumed, [s["reward/mean"] for s in result.steps], m["time/async_startup_s"], m["time/async_train_s"])
+    out_summary = summary(result.consumed, result.steps, m["time/async_startup_s"], m["time/async_train_s"])
     out_summary.update({k.split("/")[1]: round(v, 3) for k, v in m.items() if k.startswith("async/") and "_per_s" not in k})
     out_summary["phase_wall_s"] = round(m["time/async_phase_s"], 1)  # start-up + run + finishing (buffer drained, checkpoint saved)
     per_step = spec.rollout.prompts_per_step * spec.rollout.n_samples / (m["async/generated_samples_per_s"] * m["time/async_train_s"])
@@ -150,10 +165,13 @@ def run_async(cfg, start, prompts, ckpt_dir: str, steps: int, out: str):
     return out_summary, make_engine(cfg.rollout, out, start.version + steps, num_threads=2)
 
 
-def summary(consumed, rewards, startup_s: float, run_s: float) -> dict:
-    """Throughput over the training run (first rollout to last step), start-up apart."""
+def summary(consumed, steps: list[dict], startup_s: float, run_s: float) -> dict:
+    """Throughput over the training run (first rollout to last step), start-up apart; the reward and how far off-policy
+    the trained samples were (the trainer's policy at each step's start against the policy that generated them)."""
     samples = sum(len(b) for b in consumed)
     tokens = sum(len(s.response_tokens) for b in consumed for s in b)
+    rewards = [m["reward/mean"] for m in steps]
+    quarter = max(len(rewards) // 4, 1)
     return {
         "samples_per_s": round(samples / run_s, 2),
         "tokens_per_s": round(tokens / run_s, 1),
@@ -161,6 +179,9 @@ def summary(consumed, rewards, startup_s: float, run_s: float) -> dict:
         "startup_s": round(startup_s, 1),
         "samples": samples,
         "final_reward": round(statistics.fmean(rewards[-3:]), 3),
+        "reward_by_quarter": [round(statistics.fmean(rewards[i : i + quarter]), 3) for i in range(0, len(rewards), quarter)],
+        "reward_failures": sum("reward_error" in s.metadata for b in consumed for s in b),
+        "behaviour_kl": round(statistics.fmean(m["mismatch/kl_rollout_train"] for m in steps), 4),
     }
 
 
@@ -193,9 +214,10 @@ def bound_by(sync: dict, async_: dict, workers: int, reward_slots: int | None) -
     return {"sync": sync_says, "async": async_says}
 
 
-def held_out(cfg, engine, dataset, tokenizer) -> float:
-    prompts = load_prompts(dataset.test.path, cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key)
-    return round(evaluate_policy(engine, prompts, tokenizer, bind(rollout=cfg.rollout, reward=cfg.reward, evaluation=cfg.evaluation))["eval/accuracy"], 3)
+def held_out(cfg, engine, prompts, tokenizer) -> dict:
+    """Greedy accuracy on the held-out prompts, with its standard error over them (a binomial's)."""
+    accuracy = evaluate_policy(engine, prompts, tokenizer, bind(rollout=cfg.rollout, reward=cfg.reward, evaluation=cfg.evaluation))["eval/accuracy"]
+    return {"held_out_accuracy": round(accuracy, 3), "held_out_accuracy_se": round(math.sqrt(accuracy * (1 - accuracy) / len(prompts)), 3)}
 
 
 def remote_scored(cfg, url: str):
@@ -214,7 +236,12 @@ def compare(cfg, args) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     async_, async_engine = run_async(cfg, start, prompts, ckpt.dir.path, args.steps, str(root / "async-ckpt"))
     ray.shutdown()
-    sync["held_out_accuracy"], async_["held_out_accuracy"] = held_out(cfg, sync_engine, dataset, tokenizer), held_out(cfg, async_engine, dataset, tokenizer)
+    if sync["samples"] != async_["samples"]:
+        raise RuntimeError(f"the sides trained on different numbers of samples: sync {sync['samples']}, async {async_['samples']}")
+    test = load_prompts(dataset.test.path, cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key)
+    sync.update(held_out(cfg, sync_engine, test, tokenizer))
+    async_.update(held_out(cfg, async_engine, test, tokenizer))
+    start_engine = make_engine(cfg.rollout, start.dir.path, start.version, num_threads=args.threads)
     slots = cfg.reward.remote_concurrency if args.remote_reward_delay else None
     return {
         "bench": "async_vs_sync",
@@ -226,6 +253,9 @@ def compare(cfg, args) -> dict:
         "cores": os.cpu_count(),
         "remote_reward_delay_s": args.remote_reward_delay,
         "remote_concurrency": slots,
+        "trained_samples": sync["samples"],
+        "held_out_prompts": len(test),
+        "start_held_out_accuracy": held_out(cfg, start_engine, test, tokenizer)["held_out_accuracy"],
         "sync": sync,
         "async": async_,
         "ratio_samples_per_s": round(async_["samples_per_s"] / sync["samples_per_s"], 2),
@@ -241,6 +271,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument(
+        "--work-dir",
+        default="",
+        help="HOME and run root of the preparation tasks (base model, data, SFT): reuse one to take them from its Flyte cache (default: a new temporary folder)",
+    )
+    parser.add_argument(
         "--remote-reward-delay",
         type=float,
         nargs=2,
@@ -250,6 +285,7 @@ def main() -> None:
     )
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     args = parser.parse_args()
+    os.environ["HOME"] = args.work_dir or tempfile.mkdtemp(prefix="bench-async-")  # the preparation tasks' Flyte cache
     overrides = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.overrides)}
     cfg = dataclasses.replace(load_recipe(REPO / args.recipe, overrides), run_root=str(Path(os.environ["HOME"]) / "runs"))
     with contextlib.ExitStack() as stack:

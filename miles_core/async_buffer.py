@@ -14,7 +14,8 @@ too stale (policy "drop"), dropped by dynamic sampling (rollout.dynamic_filter_f
 waiting in the buffer handed to the next phase.
 
 Bound: groups ready plus prompts leased never exceed `capacity`; a full buffer leases nothing
-(the rollout actor waits), which is what keeps a fast rollout from running far ahead.
+(the rollout actor waits), which is what keeps a fast rollout from running far ahead. With a
+`StalenessGate` the buffer also leases only what the trainer will take within the staleness bound.
 `phase_summary` turns a phase's consumed batches and the buffer's drained counts into its totals.
 """
 
@@ -40,6 +41,22 @@ def group_version(group: Group) -> int:
     return min(s.weight_version for s in group)
 
 
+@dataclasses.dataclass
+class StalenessGate:
+    """Staleness-aware admission (AReaL's): a group leased now is generated with the last pushed weights and taken by
+    the trainer, oldest first, after the `queued` groups ahead of it, at version next_take + queued // step_groups. It
+    is leased only if that version is within max_staleness of its weights, so no rollout actor spends its core on a
+    group that the staleness bound would drop."""
+
+    max_staleness: int
+    step_groups: int  # rollout.prompts_per_step: groups per training step
+    weights_version: int  # the last pushed weights' (the phase's start version at first)
+    next_take: int  # the trainer's version at its next take
+
+    def room(self, queued: int) -> int:
+        return (self.weights_version + self.max_staleness + 1 - self.next_take) * self.step_groups - queued
+
+
 def stream_position(state: DataState, n_prompts: int) -> int:
     return state.epoch * n_prompts + state.offset
 
@@ -49,11 +66,12 @@ class SampleBuffer:
     data.source_fn stream; waiting: scored groups left by the previous phase; take_fn: the
     rollout.buffer_filter_fn plug-point choosing which ready groups a step takes."""
 
-    def __init__(self, prompts: list[Prompt], source, capacity: int, stale_policy: str, take_fn, waiting: list[Group] = ()):
+    def __init__(self, prompts: list[Prompt], source, capacity: int, stale_policy: str, take_fn, waiting: list[Group] = (), gate: StalenessGate | None = None):
         self._by_id = {p.id: p for p in prompts}
         self._n_prompts = len(prompts)
         self._source = source
         self._capacity = capacity
+        self._gate = gate
         self._stale_policy = stale_policy
         self._take_fn = take_fn
         self._ready: list[Group] = list(waiting)
@@ -75,7 +93,8 @@ class SampleBuffer:
 
     def lease(self, worker: int, n: int) -> list[Prompt] | None:
         """Up to n prompts for `worker` ([] while the buffer is full); None once closed with nothing left."""
-        room = self._capacity - len(self._ready) - sum(len(lease) for leases in self._leases.values() for lease in leases)
+        queued = len(self._ready) + sum(len(lease) for leases in self._leases.values() for lease in leases)
+        room = self._capacity - queued if self._gate is None else min(self._capacity - queued, self._gate.room(queued))
         take = min(n, room)
         if take <= 0:
             return None if self._closed and not self._reissue else []
@@ -109,6 +128,8 @@ class SampleBuffer:
 
     def set_latest_weights(self, weights) -> None:
         self._latest_weights = weights
+        if self._gate is not None:
+            self._gate.weights_version = weights[1]
 
     # trainer side -------------------------------------------------------------------------------
     def take(self, n: int, min_version: int) -> tuple[list[Group] | None, int]:
@@ -119,6 +140,8 @@ class SampleBuffer:
         if depth < n:
             return None, depth
         taken, self._ready = self._take_fn(self._ready, n)
+        if self._gate is not None:  # the trainer trains at min_version + max_staleness, then takes at the next version
+            self._gate.next_take = min_version + self._gate.max_staleness + 1
         return taken, depth
 
     def _evict_older_than(self, min_version: int) -> None:

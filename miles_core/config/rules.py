@@ -5,7 +5,7 @@ checks (ranges, finiteness, one key against its neighbour's bound) live in its d
 the rules that need two sections, or two settings whose combination is wrong although each is
 right: rollout log-probs with IS corrections, over-sampling without dynamic sampling, a backend
 with a parallel size or an engine with a precision it does not read, parallel sizes with the model's shape,
-async phases with what they do not run (a critic, a teacher), QAT without the quantized publish it trains for,
+async phases with what they do not run (a critic, a teacher) or stale samples without a correction, QAT without the quantized publish it trains for,
 a GPU type without GPUs, routing replay without experts, distillation alone with what reads the task reward,
 LoRA with what it does not run (an async phase, QAT, a quantized publish).
 """
@@ -270,6 +270,18 @@ RULES: tuple[Rule, ...] = (
         lambda c: not c.rollout.dynamic_sampling,
         lambda c: (
             "dynamic sampling drops groups by the spread of the task reward, which distillation alone does not train on: set rollout.dynamic_sampling: false"
+        ),
+    ),
+    Rule(
+        "async_phase.max_staleness",
+        lambda c: _async(c) and (c.async_phase.max_staleness > 0 or c.async_phase.partial_rollout),
+        lambda c: c.algo.use_rollout_logprobs or c.algo.is_correction != "none",
+        lambda c: (
+            f"an async phase trains on samples up to {c.async_phase.max_staleness} weight versions old (and, with partial rollout, on tokens "
+            "of older versions): without a correction the update takes them as the trainer's own policy's and is biased (measured: the "
+            "reward collapses, docs/async.md). Set algo.use_rollout_logprobs: true (PPO's ratio and clip against the policy that generated "
+            "them), or algo.is_correction: tis | mis (decoupled PPO: the ratio against the recomputed policy, weighted by its truncated or "
+            "masked ratio to the generating policy, as Miles' TIS and AReaL), or max_staleness: 0"
         ),
     ),
 )

@@ -47,7 +47,8 @@ def test_async_phase_is_a_cached_ray_job_with_rollout_and_trainer_groups():
 def test_a_gpu_recipes_phase_sizes_its_groups_and_pins_each_actor_to_its_group():
     """gpt-oss-20b in async phases with three rollout actors: each actor's pod holds the GPUs of the SGLang server its
     engine launches (TP 8); the trainer's pod one GPU (the phase trains in one process); the node runs the SGLang image."""
-    cfg = load_recipe(REPO / "recipes" / "gpt_oss_20b.yaml", {"async_phase.schedule": "async", "async_phase.rollout_workers": 3, "iterations": 4})
+    overrides = {"async_phase.schedule": "async", "async_phase.rollout_workers": 3, "iterations": 4, "algo.is_correction": "tis"}
+    cfg = load_recipe(REPO / "recipes" / "gpt_oss_20b.yaml", overrides)
     spec = block_futures(cfg, 0, 4)
     node, *_ = nodes_by_task(spec)["tasks.async_phase.async_phase"]
     by_name = groups(template_of(spec, node))

@@ -14,7 +14,7 @@ from workflows.rl import LoopState, rl_loop
 
 pytestmark = pytest.mark.flyte
 
-MIXED = AsyncConfig(schedule="mixed", sync_iterations=3, steps_per_phase=4)
+MIXED = AsyncConfig(schedule="mixed", sync_iterations=3, steps_per_phase=4, max_staleness=0)
 
 
 def config(iterations: int, block: int = 20, interval: int = 5, schedule: AsyncConfig = AsyncConfig()) -> RunConfig:

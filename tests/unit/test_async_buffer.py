@@ -1,10 +1,11 @@
-"""The async phase's bounded, leased buffer and its schedule, without Ray (plain Python objects)."""
+"""The async phase's bounded, leased buffer, its schedule and its rollout actors' lease count, without Ray (plain Python objects)."""
 
 import pytest
 
 from miles_core.algos.filters import oldest_first
-from miles_core.async_buffer import SampleBuffer, draw_of
-from miles_core.config import AsyncConfig, ConfigError, RunConfig
+from miles_core.async_buffer import SampleBuffer, StalenessGate, draw_of
+from miles_core.async_rollout import scoring_leases
+from miles_core.config import AsyncConfig, ConfigError, RewardConfig, RunConfig
 from miles_core.data.source import DataState, Prompt, PromptSource
 from miles_core.samples import Sample
 
@@ -110,3 +111,32 @@ def test_bad_async_settings_name_their_key(values, key):
 def test_queue_must_hold_a_step():
     with pytest.raises(ConfigError, match="async_phase.queue_size: must be >= rollout.prompts_per_step"):
         RunConfig(async_phase=AsyncConfig(schedule="async", queue_size=8, prompts_per_lease=4))
+
+
+@pytest.mark.parametrize(
+    "concurrency, lease_samples, held",
+    [
+        (8, 16, 2),  # a lease fills the slots: one scored while the next is generated
+        (8, 8, 2),
+        (32, 8, 5),  # four leases fill 32 slots, a fifth waits for the slowest requests' slots
+        (30, 8, 5),
+        (1, 4, 2),
+    ],
+)
+def test_a_rollout_actor_holds_enough_leases_to_fill_its_reward_request_slots(concurrency, lease_samples, held):
+    assert scoring_leases(RewardConfig(remote_concurrency=concurrency), lease_samples) == held
+
+
+def test_the_gate_leases_only_groups_the_trainer_takes_within_the_staleness_bound():
+    gate = StalenessGate(max_staleness=1, step_groups=2, weights_version=0, next_take=0)
+    b = SampleBuffer(PROMPTS, PromptSource(PROMPTS, seed=0), 10, "drop", oldest_first, [], gate)
+    first = b.lease(0, 5)
+    assert len(first) == 4  # version-0 groups are taken at versions 0 and 1: two steps' worth
+    assert b.lease(1, 1) == []  # a fifth would wait for the trainer at version 2
+    b.deliver(0, [group(p, 0) for p in first], {})
+    taken, _ = b.take(2, min_version=-1)  # the trainer trains at version 0
+    assert len(taken) == 2 and b.lease(1, 1) == []  # the version-0 weights are still the engines'
+    b.set_latest_weights(([], 1))  # the trainer pushed version 1
+    assert len(b.lease(1, 5)) == 2  # taken at version 2 at the latest: within the bound of version 1
+    taken, _ = b.take(2, min_version=0)
+    assert {s.weight_version for g in taken for s in g} == {0} and not b.dropped  # nothing generated was too stale

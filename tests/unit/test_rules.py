@@ -11,7 +11,7 @@ from miles_core.config import AlgoConfig, ConfigError, RunConfig, load_recipe
 from miles_core.config.rules import PARALLEL_SPLITS, RULES
 
 MEGATRON = {"train.backend": "megatron"}
-ASYNC = {"async_phase.schedule": "async"}
+ASYNC = {"async_phase.schedule": "async", "algo.use_rollout_logprobs": True}
 TEACHER = {"distill.teacher": "s3://models/teacher"}
 LORA = {"train.lora.rank": 8}
 
@@ -115,6 +115,12 @@ CASES = [
     ),
     ("async_critic", {**ASYNC, "algo.advantage": "ppo"}, "async_phase.schedule: async phases do not train a critic yet", {"algo.advantage": "grpo"}),
     (
+        "async_uncorrected",
+        {"async_phase.schedule": "async", "async_phase.max_staleness": 2},
+        "async_phase.max_staleness: an async phase trains on samples up to 2 weight versions old",
+        {"algo.is_correction": "tis"},
+    ),
+    (
         "quantized_sglang",
         {"publish.quantization": "fp8", "rollout.engine": "sglang"},
         "publish.quantization: fp8 weights are computed with by the embedded torch engine",
@@ -147,7 +153,7 @@ CASES = [
     ),
     (
         "async_sync_iterations",
-        {"async_phase.schedule": "mixed", "async_phase.sync_iterations": 3, "iterations": 3},
+        {**ASYNC, "async_phase.schedule": "mixed", "async_phase.sync_iterations": 3, "iterations": 3},
         "async_phase.sync_iterations: must be < iterations (3)",
         {"iterations": 4},
     ),
