@@ -30,7 +30,7 @@ the local ones and only their wait differs. Each process keeps at most reward.re
 requests in flight (a recipe key, `reward.remote_concurrency=N` on the command line; the same on
 both sides): the sync loop scores a step's batch at once (`step.score`); each rollout actor scores
 its leases in threads while it generates the next, holding enough leases to fill its slots
-(`async_rollout.scoring_leases`). The reward-bound case of issue 22 is
+(`async_rollout.scoring_leases`). The reward-bound case (a reward model answering in 50-200 ms) is
 
     python bench/async_vs_sync.py --steps 32 --remote-reward-delay 0.05 0.2 async_phase.prompts_per_lease=2 async_phase.max_staleness=2
 
