@@ -101,8 +101,16 @@ class SandboxResult:
             MEMORY_LIMIT: "memory limit reached",
             CRASHED: f"crashed (exit {self.exit_code})",
         }.get(self.status, "")
-        last = self.stderr.strip().splitlines()[-1] if self.stderr.strip() else ""
-        return "\n".join(x for x in (self.stdout.rstrip(), last, f"[{self.status}] {reason}".rstrip()) if x)
+        return "\n".join(x for x in (self.stdout.rstrip(), _error_line(self.stderr), f"[{self.status}] {reason}".rstrip()) if x)
+
+
+def _error_line(stderr: str) -> str:
+    """The line of stderr that names the error: the last one a traceback would end with (not
+    indented, not a traceback's header), else the last line. A program's child processes write
+    to the same pipe, so their tracebacks interleave and the last line may be one of a frame's."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    named = [line for line in lines if not line[0].isspace() and not line.startswith("Traceback (")]
+    return (named or lines or [""])[-1]
 
 
 # Runs as `python3 -I -S -c _LAUNCHER SPEC BWRAP ARGS...`: the steps that must happen in the

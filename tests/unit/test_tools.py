@@ -13,7 +13,7 @@ from miles_core.data.source import Prompt
 from miles_core.models.tiny import build_tokenizer
 from miles_core.tools import TOOLS
 from miles_core.tools.calculator import CalculatorError, calculate
-from miles_core.tools.sandbox import SandboxLimits
+from miles_core.tools.sandbox import SandboxLimits, SandboxResult
 from miles_core.train.sft import demonstrations
 
 
@@ -79,3 +79,17 @@ def test_sft_masks_the_tool_turn_of_a_demonstration():
     assert trained == "<tool>python\n12*34\n</tool><|im_end|>408<|im_end|>"
     assert masked == "\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
     assert direct.loss_mask == [1] * len(direct.response_tokens)
+
+
+def test_a_failed_programs_summary_names_the_error_when_its_children_interleave_their_tracebacks():
+    """A fork bomb's processes write their tracebacks to one pipe: the summary still gives the
+    error's line, not whichever frame line came last."""
+    traceback = [
+        "Traceback (most recent call last):",
+        '  File "/code/main.py", line 5, in <module>',
+        "BlockingIOError: [Errno 11] Resource temporarily unavailable",
+    ]
+    interleaved = "\n".join([*traceback, traceback[0], traceback[1], "    exec(compile(tree, '<tool>', 'exec'), scope)", ""])
+    result = SandboxResult("error", 1, "", interleaved, 0.1)
+    assert result.summary() == "BlockingIOError: [Errno 11] Resource temporarily unavailable\n[error]"
+    assert SandboxResult("crashed", 139, "partial\n", "  indented only\n", 0.1).summary() == "partial\n  indented only\n[crashed] crashed (exit 139)"
