@@ -43,14 +43,14 @@ def group_version(group: Group) -> int:
 
 @dataclasses.dataclass
 class StalenessGate:
-    """Staleness-aware admission (AReaL's): a group leased now is generated with the last pushed weights and taken by
-    the trainer, oldest first, after the `queued` groups ahead of it, at version next_take + queued // step_groups. It
-    is leased only if that version is within max_staleness of its weights, so no rollout actor spends its core on a
-    group that the staleness bound would drop."""
+    """Staleness-aware admission (AReaL's): a group leased now is generated with the weights every actor has loaded
+    (or newer) and taken by the trainer, oldest first, after the `queued` groups ahead of it, at version next_take +
+    queued // step_groups. It is leased only if that version is within max_staleness of those weights, so no rollout
+    actor spends its core on a group that the staleness bound would drop."""
 
     max_staleness: int
     step_groups: int  # rollout.prompts_per_step: groups per training step
-    weights_version: int  # the last pushed weights' (the phase's start version at first)
+    weights_version: int  # the weights every rollout actor has loaded (the phase's start version at first)
     next_take: int  # the trainer's version at its next take
 
     def room(self, queued: int) -> int:
@@ -127,9 +127,14 @@ class SampleBuffer:
         self.rollout_stats.update(stats)
 
     def set_latest_weights(self, weights) -> None:
+        """The weights being pushed: an actor (re)starting from now on loads these."""
         self._latest_weights = weights
+
+    def weights_loaded(self, version: int) -> None:
+        """Every rollout actor acknowledged `version`: leases from now on are generated with it. Until then a lease
+        may be generated with the weights before, so the gate admits by those."""
         if self._gate is not None:
-            self._gate.weights_version = weights[1]
+            self._gate.weights_version = version
 
     # trainer side -------------------------------------------------------------------------------
     def take(self, n: int, min_version: int) -> tuple[list[Group] | None, int]:

@@ -161,6 +161,7 @@ class AsyncTrainer:
                 f"actors within async_phase.push_timeout_s = {timeout} s"
             )
         ray.get(done)
+        ray.get(buffer.weights_loaded.remote(self.version))
         return time.perf_counter() - started
 
     def save(self, ckpt_out: str, policy_out: str | None) -> int:

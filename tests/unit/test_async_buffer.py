@@ -136,7 +136,9 @@ def test_the_gate_leases_only_groups_the_trainer_takes_within_the_staleness_boun
     b.deliver(0, [group(p, 0) for p in first], {})
     taken, _ = b.take(2, min_version=-1)  # the trainer trains at version 0
     assert len(taken) == 2 and b.lease(1, 1) == []  # the version-0 weights are still the engines'
-    b.set_latest_weights(([], 1))  # the trainer pushed version 1
+    b.set_latest_weights(([], 1))  # the trainer pushes version 1
+    assert b.lease(1, 1) == []  # until every actor has loaded it, a lease may be generated with version 0
+    b.weights_loaded(1)
     assert len(b.lease(1, 5)) == 2  # taken at version 2 at the latest: within the bound of version 1
     taken, _ = b.take(2, min_version=0)
     assert {s.weight_version for g in taken for s in g} == {0} and not b.dropped  # nothing generated was too stale
