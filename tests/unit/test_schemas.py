@@ -159,6 +159,32 @@ def test_read_checks_vocabulary_and_groups_and_leaves_a_refused_file_as_it_was(t
     assert path.read_bytes() == before and len(read_batch(path)) == 3
 
 
+def test_a_batch_is_checked_once_per_content_and_checks_in_a_process(tmp_path, monkeypatch):
+    """Reading back the bytes this process wrote and checked with the same checks skips checking them again;
+    other bytes at the same path, other checks, or a process that did not write them check the batch."""
+    from miles_core import schemas
+
+    calls = []
+    monkeypatch.setattr(schemas, "check_batch", lambda frame, source, *checks: calls.append((source, checks)) or frame)
+    monkeypatch.setattr(schemas, "_CHECKED", schemas._Checked(size=2))
+    path = write_batch(batch(4, reward=1.0), tmp_path / "b.parquet", scored=True)
+    assert len(read_batch(path, scored=True)) == 4 and len(calls) == 1  # the write's check only
+    read_batch(path, scored=True, group_size=2)
+    assert len(calls) == 2  # other checks
+    frame = to_frame(batch(4, reward=1.0))
+    frame.loc[1, "response_tokens"] = [8, -9, 2]
+    frame.to_parquet(path, index=False)  # the same path, bytes nobody checked
+    read_batch(path, scored=True)
+    assert len(calls) == 3
+    for i in range(3):  # the oldest contents are forgotten first
+        write_batch(batch(4, reward=float(i)), tmp_path / f"{i}.parquet", scored=True)
+    read_batch(tmp_path / "0.parquet", scored=True)
+    assert len(calls) == 7
+    monkeypatch.undo()
+    with pytest.raises(BatchError, match="non_negative_ids"):
+        read_batch(path, scored=True)
+
+
 def test_unreadable_file_names_the_file(tmp_path):
     path = tmp_path / "junk.parquet"
     path.write_bytes(b"not parquet")
