@@ -79,7 +79,7 @@ def export_policy(
 
         trainer = TorchDistCheckpoint(ckpt_dir)
     else:
-        trainer = TorchTrainer.load(ckpt_dir, cfg, base_dir, device="cpu")
+        trainer = TorchTrainer.load(ckpt_dir, cfg, base_dir, device="cpu", weights_only=True)
     adapter = (cfg.lora, base_dir) if cfg.lora.rank else None
     return publish(trainer, ckpt_dir, out_dir, publish_cfg.dtype, version, parent_version, source, publish_cfg.fmt, adapter)
 

@@ -112,8 +112,9 @@ class TorchTrainer(TrainerBase):
         return trainer
 
     @classmethod
-    def load(cls, ckpt_dir: str, cfg: TrainConfig, base_dir: str | None = None, device: str | None = None) -> TorchTrainer:
-        """The trainer saved in ckpt_dir; a LoRA checkpoint's adapter goes onto the base model of base_dir."""
+    def load(cls, ckpt_dir: str, cfg: TrainConfig, base_dir: str | None = None, device: str | None = None, weights_only: bool = False) -> TorchTrainer:
+        """The trainer saved in ckpt_dir; a LoRA checkpoint's adapter goes onto the base model of base_dir. weights_only:
+        its weights alone, to read (publishing): the optimizer state is not loaded, this process's RNG not restored."""
         state = json.loads((Path(ckpt_dir) / "trainer_state.json").read_text())
         if is_adapter_dir(ckpt_dir) != bool(cfg.lora.rank):
             raise ValueError(f"{ckpt_dir}: {'an adapter' if is_adapter_dir(ckpt_dir) else 'a full model'} checkpoint, and train.lora.rank is {cfg.lora.rank}")
@@ -122,10 +123,12 @@ class TorchTrainer(TrainerBase):
         trainer = cls(cls.load_model(base_dir if cfg.lora.rank else ckpt_dir), cfg, step=state["step"], device=device)
         if cfg.lora.rank:
             load_adapter_state(trainer.model, ckpt_dir)
+        trainer.mtp = MtpTrainer.for_policy(trainer.model, ckpt_dir, cfg)
+        if weights_only:
+            return trainer
         optim_file = Path(ckpt_dir) / "optimizer.pt"
         if optim_file.exists():  # a freshly converted checkpoint has no optimizer state yet
             trainer.optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=True))  # moved to the parameters' device
-        trainer.mtp = MtpTrainer.for_policy(trainer.model, ckpt_dir, cfg)
         torch.set_rng_state(torch.load(Path(ckpt_dir) / "rng.pt", weights_only=True))
         return trainer
 

@@ -89,6 +89,21 @@ def test_save_load_resumes_bitwise(policy_dir, tmp_path, dtype):
         assert torch.equal(a, b)
 
 
+def test_a_weights_only_load_reads_the_weights_and_leaves_the_optimizer_and_the_rng_alone(policy_dir, tmp_path):
+    """What publishing loads: the checkpoint's weights, no optimizer state, this process's RNG as it was."""
+    cfg = TrainConfig(lr=1e-2)
+    trained = TorchTrainer.from_hf(policy_dir, cfg)
+    train(trained, groups([1.0, 0.0, 0.0, 1.0]), AlgoConfig(), 2, 1.0, 0)
+    trained.save(str(tmp_path / "ckpt"))
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    read = TorchTrainer.load(str(tmp_path / "ckpt"), cfg, weights_only=True)
+    assert torch.equal(torch.get_rng_state(), rng) and not read.optimizer.state_dict()["state"]
+    assert all(torch.equal(a, b) for a, b in zip(trained.model.state_dict().values(), read.model.state_dict().values()))
+    resumed = TorchTrainer.load(str(tmp_path / "ckpt"), cfg)
+    assert resumed.optimizer.state_dict()["state"] and not torch.equal(torch.get_rng_state(), rng)
+
+
 def test_kl_term_needs_and_uses_the_reference(policy_dir):
     trainer = TorchTrainer.from_hf(policy_dir, TrainConfig(lr=1e-2))
     reference = TorchTrainer.from_hf(policy_dir, TrainConfig())
