@@ -1,5 +1,5 @@
-"""Replays through `pyflyte run` (workflows/replay.py) of a 2-iteration smoke run, from iteration 1 with a changed clip
-range: on the parent's cached rollouts, and on regenerated ones for one iteration more. Counted from the run root's files: what a replay
+"""Replays through `pyflyte run` (workflows/replay.py) of a 2-iteration smoke run, from iteration 1 with a changed learning
+rate: on the parent's cached rollouts, and on regenerated ones for one iteration more. Counted from the run root's files: what a replay
 reuses (the Flyte cache's artifacts) writes nothing new, what it changes does."""
 
 import json
@@ -15,7 +15,8 @@ from tests.conftest import REPO, run_workflow, workflow_command, workflow_env
 
 pytestmark = pytest.mark.flyte
 
-CHANGE = "algo.eps_clip_high=0.02"  # a tighter clip: a different update from the first step it trains
+CHANGE = "train.lr=0.002"  # 4x the learning rate: a different update from the first step it trains (a tighter clip binds only
+# where a ratio moved past it, which a small step on this model may not)
 N = 1
 
 
@@ -60,7 +61,7 @@ def test_a_replay_on_cached_rollouts_trains_the_parents_batches_again_from_itera
     assert not set(new.values()) & set(before_policies.values())  # each a policy the parent never had
     client, run, parent_run = replay_run(root)
     assert run.data.tags["replay.parent_run_id"] == parent_run.info.run_id and run.data.tags["replay.from_iteration"] == str(N)
-    assert run.data.tags["replay.rollouts"] == "cached" and run.data.params["algo.eps_clip_high"] == "0.02"
+    assert run.data.tags["replay.rollouts"] == "cached" and run.data.params["train.lr"] == "0.002"
     assert run.info.status == "FINISHED"
     reward = [m.value for m in client.get_metric_history(run.info.run_id, "reward_mean")]
     parent_reward = [m.value for m in client.get_metric_history(parent_run.info.run_id, "reward_mean")]
@@ -81,7 +82,7 @@ def test_a_regenerating_replay_reuses_the_rollouts_up_to_n_and_generates_after(p
 
 def test_what_a_replay_cannot_change_is_refused_by_key():
     parent = load_recipe(REPO / "recipes/smoke.yaml", {"iterations": 2})
-    assert replayed(parent, [CHANGE], N, "cached").algo.eps_clip_high == 0.02
+    assert replayed(parent, [CHANGE], N, "cached").train.lr == 0.002
     refusals = {
         ("rollout.temperature=0.5", "cached"): "rollout.temperature: a replay with rollouts cached cannot change it",
         ("sft.steps=3", "regenerate"): "sft.steps: a replay with rollouts regenerate cannot change it",

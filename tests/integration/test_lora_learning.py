@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 
 LORA = LoraConfig(rank=16, alpha=32.0)
 ITERATIONS = 20  # of 64 prompts x 8 samples
-MARGIN = 0.08  # held-out accuracy gained over the start (measured: 0.59 -> 0.73)
+MARGIN = 0.08  # held-out accuracy gained over the start (measured: 0.57 -> 0.69; at lr 0.004 the training reward fell 0.43 -> 0.17 in three iterations before it recovered, ending +0.07)
 
 
 def base_weights(model) -> dict:
@@ -44,7 +44,7 @@ def test_rl_with_lora_raises_held_out_accuracy_and_leaves_the_base_bitwise(tmp_p
     tokenizer = AutoTokenizer.from_pretrained(start)
     engine = TorchEngine(start, 0, base_dir=start)
     before = evaluate(engine, held_out, tokenizer, fns)["eval/accuracy"]
-    trainer = TorchTrainer.from_hf(start, TrainConfig(lr=0.004, warmup_steps=2, mini_batches=2, micro_batch_size=256, lora=LORA))
+    trainer = TorchTrainer.from_hf(start, TrainConfig(lr=0.002, warmup_steps=2, mini_batches=2, micro_batch_size=256, lora=LORA))
     source, rewards = PromptSource(demonstrations_of[0.6], seed=0), []
     for iteration in range(ITERATIONS):
         samples, _, metrics = fns.rollout_fn(engine, source, tokenizer, fns, scorer_of(fns, tokenizer), [], rollout_seed(rollout, iteration))
