@@ -376,11 +376,12 @@ def write_batch(
     """Check the batch, then write it as parquet atomically (a refused batch leaves `path` as it was)."""
     checks = (scored, reward_range, vocab_size, group_size, distilled)
     frame = check_batch(to_frame(samples), str(path), *checks)
-    data = io.BytesIO()
-    frame.to_parquet(data, index=False)
+    buffer = io.BytesIO()
+    frame.to_parquet(buffer, index=False)
+    data = buffer.getvalue()
     with atomic_file(path) as tmp:
-        tmp.write_bytes(data.getvalue())
-    _CHECKED.add(_Checked.key(data.getvalue(), checks))
+        tmp.write_bytes(data)
+    _CHECKED.add(_Checked.key(data, checks))
     return Path(path)
 
 
