@@ -4,11 +4,16 @@ run. Prints one JSON object.
 
 One GRPO step = the old-log-prob recompute (a forward pass) + forward/backward of the loss + AdamW. Its model FLOPs,
 counted analytically over the T real tokens of sequences of length S (matrix products only, as in PaLM's MFU):
-    forward     = 2 N T + 4 n_layers d S T    (N: parameters, the tied embedding counted once as the output
-                                                projection; 4 n_layers d S T: the attention scores and their
-                                                weighted sum, d = heads x head_dim, not halved for causality)
+    forward     = 2 (N - H) T + 2 H R + 4 n_layers d S T
+                  (N: parameters, the tied embedding counted once as the output projection H = d_model x vocab,
+                   which the trainer computes only at the R positions before response tokens; 4 n_layers d S T: the
+                   attention scores and their weighted sum, d = heads x head_dim, not halved for causality)
     step FLOPs  = 4 x forward                  (recompute 1x, forward + backward 3x)
+Every sample has a prompt of its own, so the trainer computes every token of every sample (no group's prompt computed
+once, miles_core/train/prefix.py): the FLOPs counted are the FLOPs done.
 MFU = step FLOPs / step time / peak, the peak per dtype the best of a few large square torch.mm in that dtype.
+`shared_prompts`: the same step on groups sharing their prompt, as a rollout makes them, packed (each group's prompt
+computed once) against every sample in its own row.
 
 python bench/trainer.py [--sequences 128] [--steps 3] [--dtypes float32,bfloat16]
 python bench/trainer.py --device cuda --hidden 2048 --layers 16 --sequences 256 --micro-batch-size 64 --prompt-len 192 --response-len 64
@@ -40,13 +45,15 @@ MODEL = ModelConfig(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def batch(n: int, group: int, rng: random.Random, prompt_len: int = 14, response_len: int = 4) -> list[Sample]:
-    """Addition-shaped samples (by default 14 prompt tokens, 4 response tokens), binary rewards."""
+def batch(n: int, group: int, rng: random.Random, prompt_len: int = 14, response_len: int = 4, shared: bool = False) -> list[Sample]:
+    """Addition-shaped samples (by default 14 prompt tokens, 4 response tokens), binary rewards; each with a prompt of
+    its own, or (`shared`) one prompt per group of `group`, as a rollout makes them."""
+    prompts = [[rng.randrange(3, 300) for _ in range(prompt_len)] for _ in range(-(-n // group))]
     return [
         Sample(
             f"p{i // group}",
             i % group,
-            [rng.randrange(3, 300) for _ in range(prompt_len)],
+            prompts[i // group] if shared else [rng.randrange(3, 300) for _ in range(prompt_len)],
             [rng.randrange(3, 300) for _ in range(response_len - 1)] + [2],
             [-1.0] * response_len,
             [1] * response_len,
@@ -79,12 +86,14 @@ def step_flops(model: torch.nn.Module, samples: list[Sample]) -> float:
     """The model FLOPs of one GRPO step on `samples` (module docstring)."""
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    head = model.get_output_embeddings().weight.numel()
     attention = 0
     for s in samples:
         length = len(s.prompt_tokens) + len(s.response_tokens)
         attention += 4 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads) * length * length
     tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-    return 4 * (2 * params * tokens + attention)
+    responses = sum(len(s.response_tokens) for s in samples)
+    return 4 * (2 * (params - head) * tokens + 2 * head * responses + attention)
 
 
 def time_steps(trainer: TorchTrainer, samples: list[Sample], group: int, steps: int) -> list[float]:
@@ -99,6 +108,17 @@ def time_steps(trainer: TorchTrainer, samples: list[Sample], group: int, steps: 
         synchronize(trainer.device)
         times.append(time.perf_counter() - started)
     return times
+
+
+def shared_prompts(model_dir: str, args: argparse.Namespace) -> dict:
+    """GRPO steps (fp32) on groups of `--group` samples sharing their prompt, as a rollout makes them: each group's
+    prompt computed once (miles_core/train/prefix.py) against every sample in its own row, the same trainer and batch."""
+    samples = batch(args.sequences, args.group, random.Random(0), args.prompt_len, args.response_len, shared=True)
+    trainer = TorchTrainer.from_hf(model_dir, TrainConfig(micro_batch_size=args.micro_batch_size), device=args.device)
+    packed = min(time_steps(trainer, samples, args.group, args.steps))
+    trainer._prefix_cost = None  # every sample in its own row
+    apart = min(time_steps(trainer, samples, args.group, args.steps))
+    return {"group": args.group, "step_s_packed": round(packed, 4), "step_s_rows_apart": round(apart, 4), "speedup": round(apart / packed, 2)}
 
 
 def main() -> None:
@@ -137,6 +157,7 @@ def main() -> None:
                 "matmul_peak_gflops": round(peak / 1e9, 1),
                 "mfu": round(achieved / peak, 4),
             }
+        packing = shared_prompts(model_dir, args)
     emit(
         {
             "bench": "trainer",
@@ -151,7 +172,8 @@ def main() -> None:
             "dtypes": results,
             "mfu_goal_of_bf16_peak": 0.35,
             "torch_threads": torch.get_num_threads(),
-            "flops_formula": "4 x (2 N T + 4 n_layers d S T): recompute forward + forward/backward, matrix products only",
+            "shared_prompts": packing,
+            "flops_formula": "4 x (2 (N - H) T + 2 H R + 4 n_layers d S T): recompute forward + forward/backward, matrix products only, the output head H at the R positions before response tokens",
         }
     )
 

@@ -8,6 +8,7 @@ torchrun) and prints one JSON line; tests/*/test_megatron*.py and test_checkpoin
     python tests/megatron_worker.py loss ROOT CKPT             the loss of CKPT's weights on the batch
     torchrun ... tests/megatron_worker.py replay ROOT HF CKPT TP EP  the engine's routing replayed (R3)
     python tests/megatron_worker.py uncompat ROOT CKPT          the same path without the CPU layer
+    python tests/megatron_worker.py vs_torch ROOT HF CKPT       RL steps of megatron and of the torch trainer side by side
     python tests/megatron_worker.py bf16 ROOT OUT               RL steps in bf16 (tests/bf16_runs.py)
     torchrun --nproc_per_node 2 tests/megatron_worker.py lora ROOT  LoRA at TP 1 and 2: steps, export, PEFT, resume (tests/megatron_lora.py)
 """
@@ -310,6 +311,27 @@ def bf16(out: str) -> dict:
     return {**result, "matrices": bf16_runs.dtypes(p for p in trainer.ddp.module.parameters() if p.dim() == 2)}  # norms: torch's RMSNorm, fp32
 
 
+def vs_torch(hf: str, ckpt: str, steps: int = 3) -> dict:
+    """`steps` RL updates on the fixed batch by the megatron trainer (from CKPT) and by the torch trainer (from HF, the
+    same weights): the largest gap between their weights after each, and both sides' losses and gradient norms."""
+    import dataclasses
+
+    from miles_core.train.megatron.trainer import MegatronTrainer
+    from miles_core.train.torch_backend import TorchTrainer
+
+    megatron = MegatronTrainer.load(ckpt, train_cfg())
+    plain = TorchTrainer.from_hf(hf, dataclasses.replace(train_cfg(), backend="torch"))
+    out: dict = {"weight_gap": [], "megatron": [], "torch": []}
+    for _ in range(steps):
+        for name, trainer in (("megatron", megatron), ("torch", plain)):
+            metrics = optimize(trainer, samples(), FNS, 0)
+            out[name].append([metrics["train/loss"], metrics["train/grad_norm"]])
+        theirs, ours = megatron.hf_state_dict(), plain.hf_state_dict()
+        assert theirs.keys() == ours.keys()
+        out["weight_gap"].append(max((theirs[k].float() - ours[k].float()).abs().max().item() for k in ours))
+    return out
+
+
 def uncompat(ckpt: str) -> dict:
     """The same load as every other command, with the CPU layer switched off."""
     from miles_core.train.megatron import cpu_compat
@@ -328,7 +350,17 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     from tests.megatron_lora import lora
 
-    handlers = {"convert": convert, "step": step, "resume": resume, "loss": loss, "replay": replay, "uncompat": uncompat, "bf16": bf16, "lora": lora}
+    handlers = {
+        "convert": convert,
+        "step": step,
+        "resume": resume,
+        "loss": loss,
+        "replay": replay,
+        "uncompat": uncompat,
+        "bf16": bf16,
+        "lora": lora,
+        "vs_torch": vs_torch,
+    }
     args = [int(a) if a.isdigit() else a for a in args]
     result = handlers[command](Path(root), *args) if command in ("convert", "lora") else handlers[command](*args)
     if result.get("rank", 0) == 0:

@@ -41,6 +41,7 @@ class PackedBatch:
     response_mask: torch.Tensor  # [B, T] 1 where a response token exists
     loss_mask: torch.Tensor  # [B, T] the samples' loss masks, 0 on padding
     rollout_logprobs: torch.Tensor  # [B, T]
+    prompt_lengths: torch.Tensor  # [B]
     routed_experts: torch.Tensor | None = None  # [B, L, MoE layers x k] the rollout's experts (R3), -1 where none
     teacher_logprobs: torch.Tensor | None = None  # [B, T] the distillation teacher's, when every sample carries them
 
@@ -64,6 +65,7 @@ def pack(samples: list[Sample], pad_id: int) -> PackedBatch:
     response_mask = torch.zeros(B, T)
     loss_mask = torch.zeros(B, T)
     rollout_logprobs = torch.zeros(B, T)
+    prompt_lengths = torch.tensor([len(s.prompt_tokens) for s in samples])
     teacher_logprobs = torch.zeros(B, T) if all(s.teacher_logprobs for s in samples) else None
     for i, s in enumerate(samples):
         P, R = len(s.prompt_tokens), len(s.response_tokens)
@@ -75,7 +77,9 @@ def pack(samples: list[Sample], pad_id: int) -> PackedBatch:
         rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
         if teacher_logprobs is not None:
             teacher_logprobs[i, :R] = torch.tensor(s.teacher_logprobs)
-    return PackedBatch(input_ids, attention_mask, gather_index, response_mask, loss_mask, rollout_logprobs, _routing(samples, L), teacher_logprobs)
+    return PackedBatch(
+        input_ids, attention_mask, gather_index, response_mask, loss_mask, rollout_logprobs, prompt_lengths, _routing(samples, L), teacher_logprobs
+    )
 
 
 def _routing(samples: list[Sample], L: int) -> torch.Tensor | None:

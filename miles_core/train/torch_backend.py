@@ -2,7 +2,9 @@
 
 The embedded default: this module supplies the HF model's forward pass (the policy loaded by
 `miles_core.models.load_causal_lm`: any family, a multimodal checkpoint as its text model), the backward pass of a
-mini-batch in micro-batches and the clipped AdamW step; the mini-batch loop is `TrainerBase`'s.
+mini-batch in micro-batches and the clipped AdamW step; the mini-batch loop is `TrainerBase`'s. A pass computes a
+group's prompt once where the family allows it and that costs less (train/prefix.py), and the output head only at the
+positions before response tokens.
 It computes on the CPU, or with train.gpus_per_node on its process's GPU (`train_device`; convert and publish read and
 write checkpoints on the CPU). Under a multi-process launcher it is data parallel over gloo (NCCL between GPUs): every process holds the whole model,
 trains on its share of each mini-batch's rows, and the gradients are summed before the step (the
@@ -27,17 +29,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForTokenClassification
 
 from miles_core.algos.kl import entropy_from_logits, token_logprobs
 from miles_core.algos.losses import loss_weights
 from miles_core.config import TrainConfig
 from miles_core.models import load_causal_lm
 from miles_core.routing import RouterTaps
+from miles_core.train import prefix
 from miles_core.train.base import LossFn, PackedBatch, TrainerBase, WeightsFn
 from miles_core.train.mtp import MtpTrainer
 from miles_core.train.qat import fake_quantize_forward
@@ -97,7 +102,8 @@ class TorchTrainer(TrainerBase):
         # fused: one kernel per tensor for the whole update (CPU and CUDA) where the for-each loop makes ~8 passes over memory
         self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, fused=True)
         self._bf16_weights: dict[str, torch.Tensor] | None = None  # train.dtype bfloat16: the copy the passes compute with, made when first needed
-        self._attention = self.model.config._attn_implementation  # the model's own; a short bf16 pass on the CPU swaps in eager (_logits)
+        self._attention = self.model.config._attn_implementation  # the model's own; a short bf16 pass on the CPU swaps in eager (_outputs)
+        self._prefix_cost = prefix.PrefixCost.of(self.model)  # None: this model cannot take a group's prompt once (train/prefix.py)
 
     @staticmethod
     def load_model(path: str) -> torch.nn.Module:
@@ -164,28 +170,34 @@ class TorchTrainer(TrainerBase):
     def _forward(self, batch: PackedBatch, temperature: float, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [b, T] of the batch's response tokens, and their entropy [b, T] unless `entropy` is False (None then)."""
         with self._replaying(batch):
-            logits = self._logits(batch)[:, :-1]  # [b, L-1, V]
-        index = batch.gather_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        response_logits = logits.gather(1, index)  # [b, T, V]
+            response_logits = self._outputs(batch)  # [b, T, V]
         targets = batch.input_ids[:, 1:].gather(1, batch.gather_index)  # [b, T]
         logprobs = token_logprobs(response_logits, targets, temperature) * batch.response_mask
         if not entropy:
             return logprobs, None
         return logprobs, entropy_from_logits(response_logits / temperature) * batch.response_mask  # in the graph: entropy bonus
 
-    def _logits(self, batch: PackedBatch) -> torch.Tensor:
-        """The model's output [b, L, V] on the batch: with the fp32 weights, or with their bf16 copy when train.dtype is bfloat16."""
-        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    def _outputs(self, batch: PackedBatch) -> torch.Tensor:
+        """The model's outputs [b, T, V] before each response token: with a group's prompt computed once where that
+        pays (train/prefix.py; not while R3 replays routing by position), with the fp32 weights or with their bf16 copy
+        when train.dtype is bfloat16."""
+        dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
+        lay = prefix.layout(batch, self._prefix_cost if batch.routed_experts is None else None, dtype)
         if self.cfg.dtype != "bfloat16":
-            return self.model(**inputs).logits
+            return self._kept(lambda inputs: self.model(**inputs), lay).flatten(0, 1)[lay.pick]
         if self._bf16_weights is None:
             self._bf16_weights = {name: p.detach().to(torch.bfloat16).requires_grad_(p.requires_grad) for name, p in self.model.named_parameters()}
-        short = batch.input_ids.shape[1] <= _BF16_CPU_EAGER_ATTENTION_MAX_LEN
+        short = lay.inputs["input_ids"].shape[1] <= _BF16_CPU_EAGER_ATTENTION_MAX_LEN
         self.model.config._attn_implementation = "eager" if self.device.type == "cpu" and short and torch.is_grad_enabled() else self._attention
         try:
-            return torch.func.functional_call(self.model, self._bf16_weights, (), inputs).logits
+            return self._kept(lambda inputs: torch.func.functional_call(self.model, self._bf16_weights, (), inputs), lay).flatten(0, 1)[lay.pick]
         finally:
             self.model.config._attn_implementation = self._attention  # the model's own for every other user (the MTP head's pass)
+
+    @staticmethod
+    def _kept(run: Callable[[dict], Any], lay: prefix.Layout) -> torch.Tensor:
+        """The model's outputs at the layout's kept positions [R, K, V]; `run` calls it on a dict of inputs."""
+        return run({**lay.inputs, "logits_to_keep": lay.keep}).logits
 
     def _accumulate_bf16_grads(self) -> None:
         """Add the gradients of the bf16 copy into the fp32 parameters' (train.dtype bfloat16), micro-batch by
@@ -278,8 +290,14 @@ class TorchTrainer(TrainerBase):
 class TorchCritic(TorchTrainer):
     @staticmethod
     def load_model(path: str) -> torch.nn.Module:
-        return AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float32, num_labels=1)
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0  # HF's token classifier drops 10% before the head by default: V(s) would change from pass to pass
+        return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
 
     def _forward(self, batch: PackedBatch, temperature: float, entropy: bool = True) -> tuple[torch.Tensor, None]:  # a value has no entropy
-        hidden = self._logits(batch)[:, :-1, 0]  # [b, L-1]
-        return hidden.gather(1, batch.gather_index) * batch.response_mask, None  # [b, T] V before each token
+        return self._outputs(batch)[..., 0] * batch.response_mask, None  # [b, T] V before each token
+
+    @staticmethod
+    def _kept(run: Callable[[dict], Any], lay: prefix.Layout) -> torch.Tensor:
+        """A value model takes no `logits_to_keep`: its head on every position, then the kept ones [R, K, 1]."""
+        return run(lay.inputs).logits.gather(1, lay.keep.unsqueeze(-1))

@@ -24,6 +24,7 @@ from miles_core.models.loading import is_multimodal
 from miles_core.rollout.engines import make_engine
 from miles_core.routing import moe_sizes
 from miles_core.step import bind, generate, sampling_params, train_step
+from miles_core.train import prefix
 from miles_core.train.base import pack
 from miles_core.train.torch_backend import TorchTrainer
 from miles_core.weights.check import check_hf_dir
@@ -33,6 +34,8 @@ from tests.families.conftest import FAMILIES
 pytestmark = pytest.mark.families
 
 PARITY_ATOL = 1e-5  # fp32, per token
+# the families whose every layer is global softmax attention: a group's prompt is computed once in the trainer's passes
+PACKED_ARCHS = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "glm4_moe", "minimax_m2")
 # prompts of three lengths, so the engine's batch is left-padded
 PROMPTS = [Prompt("a", "1+1=", "2"), Prompt("b", "What is 47+85? Think step by step.", "132"), Prompt("c", "Compute (12-7)*3.", "15")]
 ROLLOUT = RolloutConfig(n_samples=2, max_new_tokens=8, temperature=1.0, top_k=0, top_p=1.0)
@@ -80,6 +83,33 @@ def test_the_trainer_logprobs_of_the_rollout_equal_the_engines(arch, rollout, fa
     gap = ((trained - rolled) * batch.response_mask).abs().max().item()
     assert gap <= PARITY_ATOL, f"{arch}: max |trainer - engine| log-prob {gap:.2e}"
     assert trainer.routing_metrics() == ({} if batch.routed_experts is None else {"routing/agreement": 1.0})
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_groups_prompt_computed_once_gives_each_rows_log_probs_and_gradients(arch, rollout, family_dir, family_tokenizer):
+    """Where a family can take a group's prompt once (train/prefix.py), the log-probs and gradients of the packed rows
+    equal those of one row per sample; a family with linear, sliding-window, chunked or sparse-indexed attention keeps
+    its rows."""
+    samples = [dataclasses.replace(s, routed_experts=[]) for s in rollout(arch)]  # no replay: it keeps the rows apart
+    trainer = TorchTrainer.from_hf(family_dir(arch), TrainConfig())
+    assert (trainer._prefix_cost is not None) == (arch in PACKED_ARCHS), arch
+    if trainer._prefix_cost is None:
+        return
+    batch = pack(samples, family_tokenizer(arch).pad_token_id)
+    assert len(prefix.groups(batch)) == len(PROMPTS)
+
+    def passes(cost):
+        trainer._prefix_cost = cost
+        trainer.model.zero_grad()
+        logprobs, entropy = trainer._forward(batch, ROLLOUT.temperature)
+        (logprobs.sum() + entropy.sum()).backward()
+        return logprobs.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+
+    (rows, grads), (packed, packed_grads) = passes(None), passes(prefix.PrefixCost(token=1.0, pair=0.0))
+    assert ((packed - rows) * batch.response_mask).abs().max().item() <= PARITY_ATOL, arch
+    assert grads.keys() == packed_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(packed_grads[name], grads[name], atol=1e-6, rtol=1e-4, msg=f"{arch}: {name}")
 
 
 @pytest.mark.parametrize("arch", [a for a in FAMILIES if a not in DENSE_ARCHS])

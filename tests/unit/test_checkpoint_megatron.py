@@ -34,9 +34,14 @@ REFUSED = {
 
 
 @pytest.fixture(scope="module")
-def converted():
+def converted_root():
     with tempfile.TemporaryDirectory(prefix="megatron-convert-") as tmp:  # not pytest's rotated temp folders
-        yield run_worker("convert", tmp, *ARCHS)
+        yield tmp
+
+
+@pytest.fixture(scope="module")
+def converted(converted_root):
+    return run_worker("convert", converted_root, *ARCHS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -46,6 +51,17 @@ def test_conversion_round_trip_and_logits(arch, converted):
     assert result["max_logit_diff"] < LOGIT_TOLERANCE, result
     assert result["exported_logits_equal"], result  # the exported directory is the same model to transformers
     assert result["logit_scale"] > 0.1  # the logits compared are not all ~0
+
+
+def test_megatron_takes_the_torch_trainers_rl_steps(converted_root, converted):
+    """One algorithm on two backends: three GRPO updates (lr 1e-2) on one batch from the same weights report the same
+    losses and gradient norms and leave the same weights, up to summation order (a weight whose gradient is rounding
+    alone, a key bias, takes Adam's step of about lr * 0.006 either way). The backends' learning runs
+    (tests/flyte/test_learning.py) then differ by the samples each draws."""
+    result = run_worker("vs_torch", converted_root, f"{converted_root}/qwen2/hf", f"{converted_root}/qwen2/mg")
+    for (loss, norm), (torch_loss, torch_norm) in zip(result["megatron"], result["torch"]):
+        assert loss == pytest.approx(torch_loss, abs=1e-6) and norm == pytest.approx(torch_norm, rel=1e-5), result
+    assert len(result["weight_gap"]) == 3 and max(result["weight_gap"]) < 1e-3, result  # a wrong update moves weights by ~lr
 
 
 def test_gpt_oss_logits_need_its_sinks_and_sliding_windows(converted):
