@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from miles_core.async_loop import PhaseResult, PhaseSpec, run_phase
-from miles_core.schemas import write_batch
+from miles_core.batch_io import write_batch
 
 
 def run_phase_into(spec: PhaseSpec, out: Path, ckpt_out: str, policy_out: str, batch_shape: dict) -> PhaseResult:

@@ -15,23 +15,17 @@ last token) of every sample that has any.
 
 from __future__ import annotations
 
-import collections
-import hashlib
-import io
 import itertools
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pandera.pandas as pa
-import pyarrow
 from pandera.errors import SchemaErrors
 from pandera.typing import Series
 
-from miles_core.samples import Sample, from_frame, sample_id_of, to_frame
-from miles_core.storage import atomic_file
+from miles_core.samples import sample_id_of
 
 TOKEN_COLUMNS = ("prompt_tokens", "response_tokens")
 
@@ -336,72 +330,3 @@ def _describe(err: SchemaErrors, frame: pd.DataFrame) -> str:
         lines.append(f"{what}: check {str(check)[:80]!r} failed at {where}")
     more = f"; and {len(lines) - 3} more failed checks" if len(lines) > 3 else ""
     return "; ".join(lines[:3]) + more
-
-
-class _Checked:
-    """The contents (a digest of the parquet bytes) of the batches this process checked, with the checks they passed:
-    reading back what a task before it in the same process wrote and checked skips checking the same bytes again. A
-    pod reads what another pod wrote and checks it; bytes that differ in any way are checked."""
-
-    def __init__(self, size: int = 64):
-        self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
-        self._size = size
-
-    @staticmethod
-    def key(data: bytes, checks: tuple) -> tuple:
-        return hashlib.blake2b(data, digest_size=16).digest(), checks
-
-    def add(self, key: tuple) -> None:
-        self._seen[key] = None
-        self._seen.move_to_end(key)
-        while len(self._seen) > self._size:
-            self._seen.popitem(last=False)
-
-    def __contains__(self, key: tuple) -> bool:
-        return key in self._seen
-
-
-_CHECKED = _Checked()
-
-
-def write_batch(
-    samples: list[Sample],
-    path: str | Path,
-    scored: bool = False,
-    reward_range: tuple[float, float] | None = None,
-    vocab_size: int | None = None,
-    group_size: int | None = None,
-    distilled: bool = False,
-) -> Path:
-    """Check the batch, then write it as parquet atomically (a refused batch leaves `path` as it was)."""
-    checks = (scored, reward_range, vocab_size, group_size, distilled)
-    frame = check_batch(to_frame(samples), str(path), *checks)
-    buffer = io.BytesIO()
-    frame.to_parquet(buffer, index=False)
-    data = buffer.getvalue()
-    with atomic_file(path) as tmp:
-        tmp.write_bytes(data)
-    _CHECKED.add(_Checked.key(data, checks))
-    return Path(path)
-
-
-def read_batch(
-    path: str | Path,
-    scored: bool = False,
-    reward_range: tuple[float, float] | None = None,
-    vocab_size: int | None = None,
-    group_size: int | None = None,
-    distilled: bool = False,
-) -> list[Sample]:
-    """Read a parquet batch and check it before anything uses it; the file itself is never changed."""
-    checks = (scored, reward_range, vocab_size, group_size, distilled)
-    try:
-        data = Path(path).read_bytes()
-        frame = pd.read_parquet(io.BytesIO(data))
-    except (pyarrow.ArrowException, OSError, ValueError) as err:  # what pyarrow raises for missing or unreadable files
-        raise BatchError(f"batch {path}: not a readable parquet file ({type(err).__name__}: {str(err)[:200]})") from None
-    key = _Checked.key(data, checks)
-    if key not in _CHECKED:
-        check_batch(frame, str(path), *checks)
-        _CHECKED.add(key)
-    return from_frame(frame)

@@ -22,12 +22,12 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
 from containers.images import cpu_image
 from miles_core.async_loop import ROLLOUT_GROUP, TRAINER_GROUP, PhaseSpec
+from miles_core.batch_io import read_batch
 from miles_core.config import AlgoConfig, AsyncConfig, DataConfig, HealthConfig, HooksConfig, PublishConfig, RewardConfig, RolloutConfig, RunConfig, TrainConfig
 from miles_core.data.source import DataState, load_prompts
 from miles_core.models import vocab_size
 from miles_core.phase_outputs import run_phase_into
 from miles_core.plugins import plugin
-from miles_core.schemas import read_batch
 from tasks.common import (
     OBJECT_STORE,
     AsyncPhaseResult,

@@ -13,11 +13,11 @@ from flytekit.types.file import FlyteFile
 from transformers import AutoTokenizer
 
 from containers.images import cpu_image
+from miles_core.batch_io import read_batch, write_batch
 from miles_core.config import RewardConfig, RolloutConfig
 from miles_core.dump import read_rollouts, readable_frame, write_dump
 from miles_core.models import vocab_size
 from miles_core.samples import Sample
-from miles_core.schemas import read_batch, write_batch
 from tasks.common import BatchResult, Policy, cache_version, new_artifact, uploaded_dir, uploaded_file, uri_of
 from tasks.decks import batch_decks
 from tasks.metadata import cached, declared

@@ -12,11 +12,11 @@ from flytekit import task
 from transformers import AutoTokenizer
 
 from containers.images import cpu_image
+from miles_core.batch_io import read_batch, write_batch
 from miles_core.config import DistillConfig, ModelConfig, RewardConfig, RolloutConfig
 from miles_core.distill import admit_teacher, load_teacher, score_with_teacher
 from miles_core.models import vocab_size
 from miles_core.models.source import fetch_base
-from miles_core.schemas import read_batch, write_batch
 from tasks.common import BatchResult, Policy, cache_version, new_artifact, uploaded_dir, uploaded_file, uri_of
 from tasks.metadata import MEDIUM, cached, declared
 from tasks.prepare import download_uri

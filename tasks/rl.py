@@ -29,6 +29,7 @@ from flytekitplugins.kfpytorch import Elastic
 from transformers import AutoTokenizer
 
 from containers.images import cpu_image
+from miles_core.batch_io import read_batch, write_batch
 from miles_core.config import (
     AlgoConfig,
     ClusterConfig,
@@ -48,7 +49,6 @@ from miles_core.dump import readable_frame
 from miles_core.models import vocab_size
 from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine, weight_update_metrics
-from miles_core.schemas import read_batch, write_batch
 from miles_core.step import bind, groups_of, rollout_seed, score_batch, scorer_of
 from miles_core.storage import atomic_dir
 from miles_core.train.backends import convert_checkpoint, export_policy, train_checkpoint

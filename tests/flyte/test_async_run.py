@@ -13,8 +13,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from miles_core.async_buffer import draw_of
+from miles_core.batch_io import read_batch
 from miles_core.config import load_recipe
-from miles_core.schemas import read_batch
 from tests.conftest import REPO, run_workflow, workflow_command, workflow_env
 
 pytestmark = pytest.mark.flyte

@@ -12,8 +12,8 @@ import pytest
 from flytekit.configuration import Image, ImageConfig, SerializationSettings
 from flytekit.tools.translator import get_serializable
 
+from miles_core.batch_io import read_batch
 from miles_core.dump import JSONL, PARQUET, read_rollouts
-from miles_core.schemas import read_batch
 from tasks import debug as debug_tasks
 from tasks import rl as rl_tasks
 from tests.conftest import REPO, decks, run_workflow, workflow_command, workflow_env

@@ -6,9 +6,9 @@ from datetime import timedelta
 import pytest
 from mlflow.tracking import MlflowClient
 
+from miles_core.batch_io import read_batch
 from miles_core.config import ModelConfig, load_recipe
 from miles_core.models.tiny import build_tiny_model
-from miles_core.schemas import read_batch
 from tests.conftest import REPO, run_workflow
 from tests.flyte.futures import DATASET, POLICY, RUN, block_futures, futures, nodes_by_task
 from workflows.rl import rl_loop

@@ -8,9 +8,9 @@ import shutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from miles_core.batch_io import read_batch
 from miles_core.models.tiny import build_tokenizer
 from miles_core.rollout.multi_turn import tool_turn_tokens
-from miles_core.schemas import read_batch
 from tests.conftest import run_workflow
 
 pytestmark = [pytest.mark.flyte, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing: make setup installs it")]

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from miles_core import tracking
+from miles_core.batch_io import read_batch
 from miles_core.models.source import checkpoint_digest, read_source
-from miles_core.schemas import read_batch
 from miles_core.storage import sha256_file
 from miles_core.weights.publish import weights_sha256
 from tests.conftest import REPO, decks, final_policy, run_workflow, workflow_command, workflow_env

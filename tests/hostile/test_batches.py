@@ -9,8 +9,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
+from miles_core.batch_io import read_batch, write_batch
 from miles_core.samples import Sample, to_frame
-from miles_core.schemas import BatchError, read_batch, write_batch
+from miles_core.schemas import BatchError
 
 VOCAB = 100
 

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.batch_io import read_batch, write_batch
 from miles_core.config import ModelConfig
 from miles_core.config.base import ConfigError
 from miles_core.config.recipe import load_recipe
 from miles_core.data.source import DataError, load_prompts
 from miles_core.models.tiny import build_tiny_model
 from miles_core.samples import Sample
-from miles_core.schemas import BatchError, read_batch, write_batch
+from miles_core.schemas import BatchError
 from miles_core.storage import sha256_file
 from miles_core.weights.check import CheckpointError, check_hf_dir
 from miles_core.weights.publish import read_manifest, write_manifest

@@ -13,8 +13,8 @@ from flytekit.core.type_engine import TypeEngine
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM
 
+from miles_core.batch_io import read_batch
 from miles_core.config.recipe import load_recipe
-from miles_core.schemas import read_batch
 from tasks.tracking import Report
 from tests.servers import mlflow_server
 from workflows.rl import rl

@@ -7,11 +7,12 @@ import math
 
 import pytest
 
+from miles_core.batch_io import read_batch, write_batch
 from miles_core.config import DistillConfig, ModelConfig
 from miles_core.distill import admit_teacher, load_teacher, score_with_teacher
 from miles_core.models.tiny import build_tiny_model
 from miles_core.samples import Sample
-from miles_core.schemas import BatchError, read_batch, write_batch
+from miles_core.schemas import BatchError
 from miles_core.train.base import pack
 from miles_core.weights.check import CheckpointError
 

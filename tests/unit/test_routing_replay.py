@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from miles_core.batch_io import read_batch, write_batch
 from miles_core.config import HealthConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.health import HealthGateTripped
 from miles_core.models.tiny import build_tiny_model
@@ -16,7 +17,7 @@ from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.routing import RouterTaps
 from miles_core.samples import Sample
-from miles_core.schemas import BatchError, read_batch, write_batch
+from miles_core.schemas import BatchError
 from miles_core.step import bind, train_step
 from miles_core.train.base import pack
 from miles_core.train.torch_backend import TorchTrainer

@@ -1,12 +1,14 @@
 """Rollout batches: the pandera schema at task boundaries names file, rows, column and check."""
 
+import collections
 import math
 
 import pandas as pd
 import pytest
 
+from miles_core.batch_io import read_batch, write_batch
 from miles_core.samples import Sample, from_frame, to_frame
-from miles_core.schemas import BatchError, check_batch, read_batch, write_batch
+from miles_core.schemas import BatchError, check_batch
 
 
 def batch(n=4, reward=float("nan")):
@@ -162,11 +164,12 @@ def test_read_checks_vocabulary_and_groups_and_leaves_a_refused_file_as_it_was(t
 def test_a_batch_is_checked_once_per_content_and_checks_in_a_process(tmp_path, monkeypatch):
     """Reading back the bytes this process wrote and checked with the same checks skips checking them again;
     other bytes at the same path, other checks, or a process that did not write them check the batch."""
-    from miles_core import schemas
+    from miles_core import batch_io
 
     calls = []
-    monkeypatch.setattr(schemas, "check_batch", lambda frame, source, *checks: calls.append((source, checks)) or frame)
-    monkeypatch.setattr(schemas, "_CHECKED", schemas._Checked(size=2))
+    monkeypatch.setattr(batch_io, "check_batch", lambda frame, source, *checks: calls.append((source, checks)) or frame)
+    monkeypatch.setattr(batch_io, "_checked", collections.OrderedDict())
+    monkeypatch.setattr(batch_io, "REMEMBERED", 2)
     path = write_batch(batch(4, reward=1.0), tmp_path / "b.parquet", scored=True)
     assert len(read_batch(path, scored=True)) == 4 and len(calls) == 1  # the write's check only
     read_batch(path, scored=True, group_size=2)

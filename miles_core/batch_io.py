@@ -1,0 +1,77 @@
+"""Rollout batches as parquet files: written atomically once checked, read back checked (miles_core/schemas.py).
+
+A process remembers the contents it wrote or read and checked (a digest of the parquet bytes, with the checks they
+passed, the newest REMEMBERED): reading back what a task before it in the same process wrote skips checking the same
+bytes again. A pod reads what another pod wrote and checks it; bytes that differ in any way are checked.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+from pathlib import Path
+
+import pandas as pd
+import pyarrow
+
+from miles_core.samples import Sample, from_frame, to_frame
+from miles_core.schemas import BatchError, check_batch
+from miles_core.storage import atomic_file
+
+REMEMBERED = 64
+_checked: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # (digest, checks), oldest first
+
+
+def _contents(data: bytes, checks: tuple) -> tuple:
+    return hashlib.blake2b(data, digest_size=16).digest(), checks
+
+
+def _remember(contents: tuple) -> None:
+    _checked[contents] = None
+    _checked.move_to_end(contents)
+    while len(_checked) > REMEMBERED:
+        _checked.popitem(last=False)
+
+
+def write_batch(
+    samples: list[Sample],
+    path: str | Path,
+    scored: bool = False,
+    reward_range: tuple[float, float] | None = None,
+    vocab_size: int | None = None,
+    group_size: int | None = None,
+    distilled: bool = False,
+) -> Path:
+    """Check the batch, then write it as parquet atomically (a refused batch leaves `path` as it was)."""
+    checks = (scored, reward_range, vocab_size, group_size, distilled)
+    frame = check_batch(to_frame(samples), str(path), *checks)
+    buffer = io.BytesIO()
+    frame.to_parquet(buffer, index=False)
+    data = buffer.getvalue()
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+    _remember(_contents(data, checks))
+    return Path(path)
+
+
+def read_batch(
+    path: str | Path,
+    scored: bool = False,
+    reward_range: tuple[float, float] | None = None,
+    vocab_size: int | None = None,
+    group_size: int | None = None,
+    distilled: bool = False,
+) -> list[Sample]:
+    """Read a parquet batch and check it before anything uses it; the file itself is never changed."""
+    checks = (scored, reward_range, vocab_size, group_size, distilled)
+    try:
+        data = Path(path).read_bytes()
+        frame = pd.read_parquet(io.BytesIO(data))
+    except (pyarrow.ArrowException, OSError, ValueError) as err:  # what pyarrow raises for missing or unreadable files
+        raise BatchError(f"batch {path}: not a readable parquet file ({type(err).__name__}: {str(err)[:200]})") from None
+    contents = _contents(data, checks)
+    if contents not in _checked:
+        check_batch(frame, str(path), *checks)
+        _remember(contents)
+    return from_frame(frame)
