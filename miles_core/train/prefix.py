@@ -112,8 +112,9 @@ def layout(batch: PackedBatch, cost: PrefixCost | None, dtype: torch.dtype) -> L
             R = responses[i]
             span = slice(start, start + R)
             input_ids[g, span], positions[g, span], segment[g, span] = batch.input_ids[i, P : P + R], torch.arange(P, P + R), k
-            # the output before response token t: the prompt's last position for t = 0, else the response's token t - 1
-            keep[g, k * T : k * T + R] = torch.cat([torch.tensor([P - 1]), torch.arange(start, start + R - 1)])
+            before = torch.arange(start - 1, start + R - 1)  # the output before each response token: its predecessor's
+            before[:1] = P - 1  # and the first one's predecessor is the prompt's last token
+            keep[g, k * T : k * T + R] = before
             pick[i] = g * width + k * T + torch.arange(T)
             start += R
     query, key = segment.unsqueeze(2), segment.unsqueeze(1)  # [R, L', 1], [R, 1, L']

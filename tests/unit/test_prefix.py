@@ -65,6 +65,14 @@ def test_the_packed_rows_hold_each_prompt_once_and_each_response_at_its_own_posi
     assert torch.equal(got * batch.response_mask.long(), want * batch.response_mask.long())
 
 
+def test_an_empty_response_takes_no_position():
+    batch = pack([sample([5, 6, 7], [8, 9], 0), sample([5, 6, 7], [], 1), sample([5, 6, 7], [10], 2)], 0)
+    lay = prefix.layout(batch, ALWAYS, torch.float32)
+    assert lay.inputs["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10]]
+    kept = lay.keep.flatten()[lay.pick] * batch.response_mask.long()  # [b, T], 0 where no token
+    assert kept.tolist() == [[2, 3], [0, 0], [2, 0]]
+
+
 def test_the_cost_rule_packs_long_prompts_and_keeps_long_responses_apart():
     cost = prefix.PrefixCost(token=1000.0, pair=1.0)
     long_prompt = pack([sample(list(range(3, 203)), [7, 8], i) for i in range(8)], 0)
