@@ -69,7 +69,8 @@ class Layout:
 def plain(batch: PackedBatch) -> Layout:
     """One row per sample; the kept positions are the response tokens' predecessors."""
     b, T = batch.gather_index.shape
-    return Layout({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}, batch.gather_index, torch.arange(b * T).view(b, T))
+    pick = torch.arange(b * T, device=batch.gather_index.device).view(b, T)
+    return Layout({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}, batch.gather_index, pick)
 
 
 def groups(batch: PackedBatch) -> list[range]:
@@ -90,28 +91,28 @@ def layout(batch: PackedBatch, cost: PrefixCost | None, dtype: torch.dtype) -> L
     mask of `dtype` (the pass's)."""
     if cost is None:
         return plain(batch)
-    device, batch = batch.input_ids.device, batch.to(torch.device("cpu"))
-    runs = groups(batch)
-    prompts = batch.prompt_lengths.tolist()
-    responses = batch.response_mask.sum(1).long().tolist()
+    device, rows = batch.input_ids.device, batch.to(torch.device("cpu"))  # the layout is built on the CPU
+    runs = groups(rows)
+    prompts = rows.prompt_lengths.tolist()
+    responses = rows.response_mask.sum(1).long().tolist()
     packed_length = max(prompts[r.start] + sum(responses[i] for i in r) for r in runs)
-    if len(runs) == len(batch) or cost(len(runs), packed_length) >= cost(len(batch), batch.input_ids.shape[1]):
+    if len(runs) == len(rows) or cost(len(runs), packed_length) >= cost(len(rows), rows.input_ids.shape[1]):
         return plain(batch)
-    b, T = batch.gather_index.shape
+    b, T = rows.gather_index.shape
     width = max(len(r) for r in runs) * T
-    input_ids = torch.zeros(len(runs), packed_length, dtype=batch.input_ids.dtype)
+    input_ids = torch.zeros(len(runs), packed_length, dtype=rows.input_ids.dtype)
     positions = torch.zeros(len(runs), packed_length, dtype=torch.long)
     segment = torch.full((len(runs), packed_length), -2)  # -1: the prompt, k: the run's k-th response, -2: padding
     keep = torch.zeros(len(runs), width, dtype=torch.long)
     pick = torch.zeros(b, T, dtype=torch.long)
     for g, run in enumerate(runs):
         P = prompts[run.start]
-        input_ids[g, :P], positions[g, :P], segment[g, :P] = batch.input_ids[run.start, :P], torch.arange(P), -1
+        input_ids[g, :P], positions[g, :P], segment[g, :P] = rows.input_ids[run.start, :P], torch.arange(P), -1
         start = P
         for k, i in enumerate(run):
             R = responses[i]
             span = slice(start, start + R)
-            input_ids[g, span], positions[g, span], segment[g, span] = batch.input_ids[i, P : P + R], torch.arange(P, P + R), k
+            input_ids[g, span], positions[g, span], segment[g, span] = rows.input_ids[i, P : P + R], torch.arange(P, P + R), k
             before = torch.arange(start - 1, start + R - 1)  # the output before each response token: its predecessor's
             before[:1] = P - 1  # and the first one's predecessor is the prompt's last token
             keep[g, k * T : k * T + R] = before

@@ -14,7 +14,7 @@ from miles_core.config import ModelConfig, TrainConfig
 from miles_core.models.tiny import build_tiny_model
 from miles_core.samples import Sample
 from miles_core.train import prefix
-from miles_core.train.base import pack
+from miles_core.train.base import PackedBatch, pack
 from miles_core.train.torch_backend import TorchCritic, TorchTrainer
 
 ALWAYS = prefix.PrefixCost(token=1.0, pair=0.0)  # packing always estimated cheaper
@@ -73,12 +73,22 @@ def test_an_empty_response_takes_no_position():
     assert kept.tolist() == [[2, 3], [0, 0], [2, 0]]
 
 
+class Elsewhere(PackedBatch):
+    """A batch whose `.to()` copies, as one on a GPU does when the layout is built on the CPU."""
+
+    def to(self, device):
+        return PackedBatch(*(None if t is None else t.clone() for t in self.__dict__.values()))
+
+
 def test_the_cost_rule_packs_long_prompts_and_keeps_long_responses_apart():
     cost = prefix.PrefixCost(token=1000.0, pair=1.0)
     long_prompt = pack([sample(list(range(3, 203)), [7, 8], i) for i in range(8)], 0)
     long_responses = pack([sample([3, 4], list(range(3, 403)), i) for i in range(8)], 0)
     assert "position_ids" in prefix.layout(long_prompt, cost, torch.float32).inputs
-    assert "position_ids" not in prefix.layout(long_responses, cost, torch.float32).inputs
+    elsewhere = Elsewhere(*long_responses.__dict__.values())
+    declined = prefix.layout(elsewhere, cost, torch.float32)
+    assert "position_ids" not in declined.inputs
+    assert declined.inputs["input_ids"] is elsewhere.input_ids  # the batch's own tensors, on its device
     assert "position_ids" not in prefix.layout(long_prompt, None, torch.float32).inputs  # a model that cannot take it
 
 
