@@ -133,16 +133,23 @@ def plugin_code(run_cfg, stage: str) -> str:
     return hashlib.sha256(repr([(m, _source(m)) for m in modules]).encode()).hexdigest()[:12]
 
 
-@functools.cache  # every task's closure walks the same modules
-def _imports(module_name: str, packages: tuple[str, ...]) -> frozenset[str]:
-    """The modules of `packages` that module_name imports anywhere in its source (lazy imports included)."""
+@functools.cache  # every closure walks the same modules: each source is parsed once
+def _imported(module_name: str) -> frozenset[str]:
+    """Every module name module_name's source imports anywhere (lazy imports included), `from pkg import name` as
+    pkg.name too (it may be a module)."""
     found = set()
     for node in ast.walk(ast.parse(_source(module_name))):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import module`
-    return frozenset(m for m in found if m.split(".")[0] in packages and source_file(m) is not None)
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return frozenset(found)
+
+
+@functools.cache
+def _imports(module_name: str, packages: tuple[str, ...]) -> frozenset[str]:
+    """The modules of `packages` that module_name imports anywhere in its source."""
+    return frozenset(m for m in _imported(module_name) if m.split(".")[0] in packages and source_file(m) is not None)
 
 
 def code_closure(module_name: str, packages: tuple[str, ...] = ("miles_core", "tasks", "containers")) -> str:
