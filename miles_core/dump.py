@@ -44,15 +44,15 @@ def readable_frame(samples: list[Sample], tokenizer, trace: dict | None = None) 
             "prompt": [tokenizer.decode(s.prompt_tokens) for s in samples],
             "response": [tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples],
             "response_length": lengths,
-            "advantages": _per_token(trace, "advantages", lengths),
-            "trainer_logprobs": _per_token(trace, "trainer_logprobs", lengths),
+            "advantages": per_token(trace, "advantages", lengths),
+            "trainer_logprobs": per_token(trace, "trainer_logprobs", lengths),
         }
     )
     ordered = ["sample_id", "weight_version", "prompt", "response", "reward", *READABLE[2:]]
     return pd.concat([frame, readable], axis=1)[ordered + [c for c in frame.columns if c not in ordered]]
 
 
-def _per_token(trace: dict | None, key: str, lengths: list[int]) -> list:
+def per_token(trace: dict | None, key: str, lengths: list[int]) -> list:
     """Each sample's own T values of a padded [B, T] tensor of the trace, or None per sample without one."""
     if not trace or key not in trace:
         return [None] * len(lengths)

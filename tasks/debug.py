@@ -35,9 +35,9 @@ def train_outputs(samples: list[Sample], tokenizer_dir: str, trace: dict, metric
     `dump_to` is (root, iteration, *inputs), the batch dumped with the step's advantages and trainer log-probs."""
     if int(os.environ.get("RANK", "0")) != 0:
         return None
-    frame = readable_frame(samples, AutoTokenizer.from_pretrained(tokenizer_dir), trace)
-    batch_decks(frame, metrics)
-    return dumped(frame, *dump_to) if dump_to else None
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    batch_decks(samples, tokenizer, metrics, trace)
+    return dumped(readable_frame(samples, tokenizer, trace), *dump_to) if dump_to else None
 
 
 @task(**cached(cache_version(RolloutConfig, module=__name__)), container_image=cpu_image, **declared("score"))

@@ -1,9 +1,10 @@
 """The decks of the score and train tasks: what the Flyte console shows of a batch.
 
-Each renders a readable frame (`miles_core.dump.readable_frame`) as flytekit decks: "samples", a table of the first
-`ROWS` responses with their prompts and rewards; "histograms", the batch's rewards and response lengths (inline SVG); and on the
-train task "mismatch", the train/rollout log-prob mismatch of the step (its `mismatch/*` metrics and the per-token
-difference of the trainer's and the rollout's log-probs on the trained tokens).
+A batch as flytekit decks: "samples", a table of the first `ROWS` responses with their prompts and rewards (the readable
+frame of those rows only, `miles_core.dump.readable_frame`: decoding the whole batch's texts cost ~15 ms of the score
+and the train task of every iteration for 16 rows shown); "histograms", the batch's rewards and response lengths
+(inline SVG); and on the train task "mismatch", the train/rollout log-prob mismatch of the step (its `mismatch/*`
+metrics and the per-token difference of the trainer's and the rollout's log-probs on the trained tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import pandas as pd
 from flytekit import Deck
 from flytekit.deck import DeckField
 
+from miles_core.dump import per_token, readable_frame
+from miles_core.samples import Sample
+
 # @task arguments of a task with decks: flytekit's own (source, timeline, inputs, outputs) beside the task's, but not
 # "Dependencies", which runs `pip list` and `pip freeze` each time the task runs (about 1 s of every iteration on the
 # score and train tasks); the image's packages are the pinned requirements.lock
@@ -25,27 +29,29 @@ BINS = 20  # bars of a histogram
 TABLE = ["sample_id", "weight_version", "prompt", "response", "reward", "response_length", "finish_reason"]
 
 
-def batch_decks(frame: pd.DataFrame, metrics: dict[str, float]) -> None:
-    """The decks of one batch; "mismatch" only where a train step traced the trainer's log-probs."""
-    Deck("samples", _samples(frame))
-    Deck("histograms", _figure([("reward", frame["reward"]), ("response length (tokens)", frame["response_length"])]))
-    if frame["trainer_logprobs"].notna().any():
-        Deck("mismatch", _mismatch(frame, metrics))
+def batch_decks(samples: list[Sample], tokenizer, metrics: dict[str, float], trace: dict | None = None) -> None:
+    """The decks of one batch; "mismatch" only where a train step traced the trainer's log-probs (`trace`, from
+    `step.optimize`)."""
+    rewards, lengths = [s.reward for s in samples], [len(s.response_tokens) for s in samples]
+    Deck("samples", _samples(readable_frame(samples[:ROWS], tokenizer, trace), len(samples), float(np.mean(rewards))))
+    Deck("histograms", _figure([("reward", rewards), ("response length (tokens)", lengths)]))
+    if trace and "trainer_logprobs" in trace:
+        Deck("mismatch", _mismatch(samples, per_token(trace, "trainer_logprobs", lengths), metrics))
 
 
-def _samples(frame: pd.DataFrame) -> str:
-    shown = frame[TABLE].head(ROWS).copy()
-    if frame["advantages"].notna().any():
-        shown["mean advantage"] = [float(np.mean(a)) if len(a) else 0.0 for a in frame["advantages"].head(ROWS)]
-    caption = f"<p>sample responses: {len(shown)} of {len(frame)}, mean reward {frame['reward'].mean():.4f}</p>"
-    return caption + shown.to_html(index=False, escape=True, float_format="{:.4f}".format)
+def _samples(shown: pd.DataFrame, rows: int, mean_reward: float) -> str:
+    table = shown[TABLE].copy()
+    if shown["advantages"].notna().any():
+        table["mean advantage"] = [float(np.mean(a)) if len(a) else 0.0 for a in shown["advantages"]]
+    caption = f"<p>sample responses: {len(table)} of {rows}, mean reward {mean_reward:.4f}</p>"
+    return caption + table.to_html(index=False, escape=True, float_format="{:.4f}".format)
 
 
-def _mismatch(frame: pd.DataFrame, metrics: dict[str, float]) -> str:
+def _mismatch(samples: list[Sample], trainer_logprobs: list[list[float]], metrics: dict[str, float]) -> str:
     """The step's mismatch metrics and the histogram of trainer - rollout log-prob on the tokens trained on."""
     diffs = [
-        np.asarray(trainer)[np.asarray(mask) > 0] - np.asarray(rollout)[np.asarray(mask) > 0]
-        for trainer, rollout, mask in zip(frame["trainer_logprobs"], frame["rollout_logprobs"], frame["loss_mask"])
+        np.asarray(trainer)[np.asarray(s.loss_mask) > 0] - np.asarray(s.rollout_logprobs)[np.asarray(s.loss_mask) > 0]
+        for s, trainer in zip(samples, trainer_logprobs)
     ]
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.6g}</td></tr>" for k, v in sorted(metrics.items()) if k.startswith("mismatch/"))
     table = f"<p>train/rollout mismatch</p><table><tr><th>metric</th><th>value</th></tr>{rows}</table>"

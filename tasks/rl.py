@@ -46,7 +46,6 @@ from miles_core.config import (
     TrainConfig,
 )
 from miles_core.data.source import DataState, Prompt, load_prompts
-from miles_core.dump import readable_frame
 from miles_core.models import vocab_size
 from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine, weight_update_metrics
@@ -165,7 +164,7 @@ def score(
     metrics = score_batch(samples, bind(rollout=rollout, reward=cfg, hooks=hooks), tokenizer, iteration, batch.metrics)
     out, dest = new_artifact(root, "scored", iteration, cfg, hooks, uri_of(batch.batch), code, suffix=".parquet")
     write_batch(samples, out, scored=True, reward_range=(cfg.min, cfg.max), **shape)
-    batch_decks(readable_frame(samples, tokenizer), metrics)  # the batch in the Flyte console: responses, histograms
+    batch_decks(samples, tokenizer, metrics)  # the batch in the Flyte console: responses, histograms
     return BatchResult(batch=uploaded_file(out, dest), metrics=metrics)
 
 
