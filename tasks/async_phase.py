@@ -28,7 +28,6 @@ from miles_core.data.source import DataState, load_prompts
 from miles_core.models import vocab_size
 from miles_core.phase_outputs import run_phase_into
 from miles_core.plugins import plugin
-from tasks.body import task_body
 from tasks.common import (
     OBJECT_STORE,
     AsyncPhaseResult,
@@ -45,6 +44,7 @@ from tasks.common import (
 )
 from tasks.elastic import redefined, resizable_task
 from tasks.metadata import MEDIUM, SMALL, cached, declared, pod_resources
+from tasks.retry import recoverable
 
 
 def _group(name: str, replicas: int, gpus: int, memory_gb: int) -> WorkerNodeConfig:
@@ -81,7 +81,7 @@ def ray_cluster(workers: int, rollout_gpus: int, rollout_memory_gb: int, train_g
     ),
     **declared("async", SMALL),  # the job's submitter pod; the head and worker groups have their own (ray_cluster)
 )
-@task_body
+@recoverable
 def async_phase(
     cfg: AsyncConfig,
     rollout: RolloutConfig,

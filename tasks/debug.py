@@ -18,10 +18,10 @@ from miles_core.config import RewardConfig, RolloutConfig
 from miles_core.dump import read_rollouts, readable_frame, write_dump
 from miles_core.models import vocab_size
 from miles_core.samples import Sample
-from tasks.body import task_body
 from tasks.common import BatchResult, Policy, cache_version, new_artifact, uploaded_dir, uploaded_file, uri_of
 from tasks.decks import batch_decks
 from tasks.metadata import cached, declared
+from tasks.retry import recoverable
 
 
 def dumped(frame: pd.DataFrame, root: str, iteration: int, *inputs: object) -> FlyteDirectory:
@@ -41,7 +41,7 @@ def train_outputs(samples: list[Sample], tokenizer_dir: str, trace: dict, metric
 
 
 @task(**cached(cache_version(RolloutConfig, module=__name__)), container_image=cpu_image, **declared("score"))
-@task_body
+@recoverable
 def dump(rollout: RolloutConfig, policy: Policy, batch: BatchResult, iteration: int, root: str) -> FlyteDirectory:
     """A scored batch as a readable dataset (no train step: no advantages or trainer log-probs)."""
     policy_dir = policy.dir.download()
@@ -50,7 +50,7 @@ def dump(rollout: RolloutConfig, policy: Policy, batch: BatchResult, iteration: 
 
 
 @task(**cached(cache_version(RewardConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("score"))
-@task_body
+@recoverable
 def admit_rollouts(reward: RewardConfig, rollout: RolloutConfig, policy: Policy, rollouts: FlyteFile, iteration: int, root: str) -> BatchResult:
     """A dump or a user's file of the same columns (.jsonl or parquet) as the scored batch of one train step: every row
     checked against the policy's vocabulary, the reward range and whole groups of rollout.n_samples; a bad one

@@ -17,14 +17,14 @@ from miles_core.config import DistillConfig, ModelConfig, RewardConfig, RolloutC
 from miles_core.distill import admit_teacher, load_teacher, score_with_teacher
 from miles_core.models import vocab_size
 from miles_core.models.source import fetch_base
-from tasks.body import task_body
 from tasks.common import BatchResult, Policy, cache_version, new_artifact, uploaded_dir, uploaded_file, uri_of
 from tasks.metadata import MEDIUM, cached, declared
 from tasks.prepare import download_uri
+from tasks.retry import recoverable
 
 
 @task(**cached(cache_version(module=__name__)), container_image=cpu_image, **declared("teacher_model", MEDIUM, minutes=240))
-@task_body
+@recoverable
 def teacher_model(path: str, policy: Policy, root: str) -> Policy:
     """The teacher checkpoint at `path` (distill.teacher: a directory or an object-store URI) among the run's artifacts,
     once it is whole and its tokenizer is the policy's token for token; its source and digest in source.json."""
@@ -36,7 +36,7 @@ def teacher_model(path: str, policy: Policy, root: str) -> Policy:
 
 
 @task(**cached(cache_version(DistillConfig, RolloutConfig, RewardConfig, module=__name__)), container_image=cpu_image, **declared("teacher"))
-@task_body
+@recoverable
 def teach(cfg: DistillConfig, rollout: RolloutConfig, reward: RewardConfig, teacher: Policy, batch: BatchResult, iteration: int, root: str) -> BatchResult:
     """The teacher's log-prob of every response token of a scored batch, at the rollout's temperature (miles_core/distill.py)."""
     teacher_dir = teacher.dir.download()

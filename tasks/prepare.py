@@ -18,9 +18,9 @@ from miles_core.data.source import DataError, load_prompts
 from miles_core.models.source import admit, fetch_base, is_uri
 from miles_core.plugins import check_plugins
 from miles_core.storage import atomic_file, sha256_file
-from tasks.body import task_body
 from tasks.common import Dataset, Policy, cache_version, new_artifact, uploaded_dir, uploaded_file, uri_of
 from tasks.metadata import MEDIUM, SMALL, cached, declared
+from tasks.retry import recoverable
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"  # the recipes the image holds
 
@@ -31,7 +31,7 @@ def download_uri(uri: str, local: str, is_multipart: bool = True) -> None:
 
 
 @task(container_image=cpu_image, **declared("read_recipe", SMALL, minutes=10))
-@task_body
+@recoverable
 def read_recipe(recipe: FlyteFile, overrides: list[str]) -> RunConfig:
     """A recipe file (from the object store, or any place flytekit reads) with `key=value` overrides, checked key by key
     and its plug-in modules imported before any other task runs; an error names the file as given and the key.
@@ -46,7 +46,7 @@ def read_recipe(recipe: FlyteFile, overrides: list[str]) -> RunConfig:
 
 
 @task(**cached(cache_version(ModelConfig, module=__name__)), container_image=cpu_image, **declared("base_model", MEDIUM, minutes=240))
-@task_body
+@recoverable
 def base_model(cfg: ModelConfig, root: str) -> Policy:
     """The base policy as version 0: the checkpoint model.path names, or the tiny model; its source and digest in source.json."""
     out, dest = new_artifact(root, "base", 0, cfg)
@@ -56,7 +56,7 @@ def base_model(cfg: ModelConfig, root: str) -> Policy:
 
 
 @task(**cached(cache_version(TrainConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("admit_model", MEDIUM, minutes=60))
-@task_body
+@recoverable
 def admit_model(base: Policy, train: TrainConfig, rollout: RolloutConfig) -> Policy:
     """The base policy, once the boundary check passed (whole weights, fitting tokenizer, an architecture and
     shape the trainer backend and the rollout engine take); every later stage starts from this output, so a refusal comes first."""
@@ -65,7 +65,7 @@ def admit_model(base: Policy, train: TrainConfig, rollout: RolloutConfig) -> Pol
 
 
 @task(**cached(cache_version(DataConfig, module=__name__)), container_image=cpu_image, **declared("make_data", MEDIUM, minutes=60))
-@task_body
+@recoverable
 def make_data(cfg: DataConfig, root: str) -> Dataset:
     """The problem set's splits, or the user's prompt files checked row by row and copied in."""
     out, dest = new_artifact(root, "data", 0, cfg)

@@ -8,13 +8,13 @@ from containers.images import cpu_image
 from miles_core import tracking
 from miles_core.config import RunConfig, config_hash
 from miles_core.replay import replayed
-from tasks.body import task_body
 from tasks.common import Tracking
 from tasks.metadata import SMALL, declared
+from tasks.retry import recoverable
 
 
 @task(container_image=cpu_image, **declared("read_recipe", SMALL, minutes=10))
-@task_body
+@recoverable
 def replay_config(parent: RunConfig, changes: list[str], from_iteration: int, rollouts: str) -> RunConfig:
     """The config the replay runs from `from_iteration` on: the parent's with `changes`; what a replay cannot change is
     refused here, by key, before any other task runs."""
@@ -22,7 +22,7 @@ def replay_config(parent: RunConfig, changes: list[str], from_iteration: int, ro
 
 
 @task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
-@task_body
+@recoverable
 def tag_replay(run: Tracking, parent: RunConfig, from_iteration: int, rollouts: str) -> Tracking:
     """The replay's MLflow run, tagged with its parent (the parent config's newest run in the parent's experiment), N and
     the mode; returned for the loop to log to."""

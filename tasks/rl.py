@@ -12,8 +12,7 @@ value. One process of the torch backend (world size 1, no process group) runs in
 (tasks/elastic.py `OneProcessTask`). The train task's processes (`train_task`: a variant defined with the recipe's nnodes x nproc_per_node), every
 Elastic task's restarts and rendezvous (`tasks.elastic.elastic`), and each node's GPUs, memory, retries and timeout
 (`tasks.metadata.stage_overrides`) come from the recipe; the workflow applies them. What each task declares is the
-default (tasks/metadata.py); `task_body` marks network and object-store errors for Flyte's retries (tasks/retry.py) and runs
-each task with its process's long-lived objects out of the garbage collector's way (miles_core/heap.py).
+default (tasks/metadata.py); `recoverable` marks network and object-store errors for Flyte's retries (tasks/retry.py).
 """
 
 from __future__ import annotations
@@ -52,7 +51,6 @@ from miles_core.rollout.engines import make_engine, weight_update_metrics
 from miles_core.step import bind, groups_of, rollout_seed, score_batch, scorer_of
 from miles_core.storage import atomic_dir
 from miles_core.train.backends import convert_checkpoint, export_policy, train_checkpoint
-from tasks.body import task_body
 from tasks.common import (
     BatchResult,
     Checkpoint,
@@ -73,6 +71,7 @@ from tasks.debug import train_outputs
 from tasks.decks import DECKS, batch_decks, own_decks_only
 from tasks.elastic import elastic, resizable_task
 from tasks.metadata import DEFAULTS, cached, declared
+from tasks.retry import recoverable
 
 # torch elastic polls its workers this often (seconds; torch's default is 0.1, flytekit's 5): a finished step is noticed
 # within it, so it bounds what every Elastic task adds to an iteration's wall time; a poll of a waiting agent costs
@@ -112,7 +111,7 @@ def _read_prompts(path: str, size: int, mtime_ns: int, keys: tuple[str, str, str
 
 
 @resizable_task(**cached(cache_version(TrainConfig, AlgoConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("convert"))
-@task_body
+@recoverable
 def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Checkpoint:
     """Base HF checkpoint -> the backend's checkpoint format (megatron: torch_dist, reshardable), and a fresh critic for PPO."""
     _forked_worker()
@@ -123,7 +122,7 @@ def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Ch
 
 
 @task(**cached(cache_version(RolloutConfig, DataConfig, RewardConfig, module=__name__)), container_image=cpu_image, **declared("rollout"))
-@task_body
+@recoverable
 def rollout(
     cfg: RolloutConfig,
     data: DataConfig,
@@ -154,7 +153,7 @@ def rollout(
 
 
 @task(**cached(cache_version(RewardConfig, HooksConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **DECKS, **declared("score"))
-@task_body
+@recoverable
 def score(
     cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy: Policy, batch: RolloutResult, iteration: int, root: str, code: str
 ) -> BatchResult:
@@ -175,7 +174,7 @@ def score(
     task_config=Elastic(nnodes=1, nproc_per_node=TrainConfig().nproc_per_node, start_method="fork", monitor_interval=MONITOR_S),  # a run's: train_task(cfg)
     **declared("train"),
 )
-@task_body
+@recoverable
 def train(
     algo: AlgoConfig,
     cfg: TrainConfig,
@@ -212,7 +211,7 @@ def train(
 
 
 @resizable_task(**cached(cache_version(PublishConfig, TrainConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("publish"))
-@task_body
+@recoverable
 def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent: Policy, root: str) -> Policy:
     """Export the checkpoint (any parallel sizes) as the next policy version (HF safetensors + lineage manifest); with
     train.lora the adapter alone, for the base model its parent applies to: the first adapter's parent is the full
@@ -228,7 +227,7 @@ def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent
 
 
 @task(**cached(cache_version(EvalConfig, RewardConfig, DataConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("evaluate"))
-@task_body
+@recoverable
 def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: RolloutConfig, policy: Policy, dataset: Dataset, code: str) -> dict[str, float]:
     """Held-out evaluation of a policy version (evaluation.fn, greedy accuracy by default), with the task's own time
     (`time/evaluate_s`: what a benchmark of training time leaves out)."""

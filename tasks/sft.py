@@ -11,13 +11,13 @@ from miles_core.data.source import load_prompts
 from miles_core.train.sft import demonstrations, run_sft, sft_train_config
 from miles_core.train.torch_backend import TorchTrainer
 from miles_core.weights.publish import publish
-from tasks.body import task_body
 from tasks.common import Dataset, Policy, cache_version, new_artifact, uploaded_dir, uri_of
 from tasks.metadata import MEDIUM, cached, declared
+from tasks.retry import recoverable
 
 
 @task(**cached(cache_version(SFTConfig, DataConfig, module=__name__)), container_image=cpu_image, **declared("sft", MEDIUM, minutes=240))
-@task_body
+@recoverable
 def sft(cfg: SFTConfig, data: DataConfig, base: Policy, dataset: Dataset, root: str) -> Policy:
     """SFT on the train split's demonstrations; the result is published as the next version."""
     base_dir = base.dir.download()

@@ -23,10 +23,10 @@ from miles_core.models.source import SOURCE_FILE, read_source
 from miles_core.plugins import STAGE_PLUGPOINTS, code_closure, plugin_code
 from miles_core.storage import digest
 from miles_core.weights.publish import read_manifest
-from tasks.body import task_body
 from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking, member, run_root_of, uri_of
 from tasks.decks import DECKS
 from tasks.metadata import SMALL, declared
+from tasks.retry import recoverable
 
 
 @dataclass
@@ -70,7 +70,7 @@ def _log_policy(run: Tracking, policy: Policy, iteration: int) -> None:
 
 
 @task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
-@task_body
+@recoverable
 def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, evaluation: dict[str, float]) -> Tracking:
     root = run_root_of(cfg.run_root)  # on a cluster, never the pod's own disk
     uri = tracking.tracking_uri(cfg.tracking, root, _secret_server())
@@ -100,7 +100,7 @@ def start_run(cfg: RunConfig, dataset: Dataset, base: Policy, start: Policy, eva
 
 
 @task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
-@task_body
+@recoverable
 def log_iteration(
     run: Tracking, iteration: int, rollout: dict[str, float], score: dict[str, float], train: dict[str, float], evaluation: dict[str, float], policy: Policy
 ) -> None:
@@ -115,7 +115,7 @@ def log_iteration(
 
 
 @task(cache=False, **DECKS, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
-@task_body
+@recoverable
 def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float], policy: Policy, root: str) -> Report:
     manifest = read_manifest(member(policy.dir, "policy.json").parent)
     learned, verdict = tracking.learning_verdict(before["eval/accuracy"], after["eval/accuracy"], after["eval/prompts"])
@@ -144,7 +144,7 @@ def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float],
 
 
 @task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
-@task_body
+@recoverable
 def log_phase(run: Tracking, first_iteration: int, phase: AsyncPhaseResult, evaluation: dict[str, float]) -> None:
     """An async phase's K steps as K iterations (training + async metrics), its totals and evaluation at the last."""
     last = first_iteration + len(phase.steps)
@@ -164,7 +164,7 @@ def log_phase(run: Tracking, first_iteration: int, phase: AsyncPhaseResult, eval
 
 
 @task(cache=False, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
-@task_body
+@recoverable
 def mark_failed(cfg: RunConfig, err: Optional[FlyteError] = None) -> None:  # noqa: UP045 (the Optional flytekit's type engine reads)
     """The run workflow's failure handler: this execution's MLflow run ends FAILED, tagged with the node that failed,
     its error and the health gate that tripped, if one did. What the run published before it failed stays."""

@@ -22,7 +22,6 @@ from containers.images import cpu_image
 from miles_core.config import RunConfig
 from miles_core.data.source import DataState
 from miles_core.plugins import plugin_code
-from tasks.body import task_body
 from tasks.common import Dataset, Policy
 from tasks.debug import admit_rollouts, dump
 from tasks.metadata import BUILDER
@@ -37,7 +36,6 @@ class TrainOnlyResult(NamedTuple):
 
 
 @dynamic(container_image=cpu_image, **BUILDER)
-@task_body
 def rollout_loop(cfg: RunConfig, start: Policy, dataset: Dataset) -> list[FlyteDirectory]:
     """cfg.iterations batches from `start`, each rolled out, scored and dumped: the data source and the buffer move on
     from batch to batch as in `rl`, the policy does not."""
@@ -51,7 +49,6 @@ def rollout_loop(cfg: RunConfig, start: Policy, dataset: Dataset) -> list[FlyteD
 
 
 @dynamic(container_image=cpu_image, **BUILDER)
-@task_body
 def train_loop(cfg: RunConfig, start: Policy, rollouts: list[FlyteFile]) -> TrainOnlyResult:
     """One train step and publish per file, in order, from `start` (also the KL reference)."""
     ckpt, policy, metrics = converted(cfg, start), start, []

@@ -20,7 +20,6 @@ from containers.images import cpu_image
 from miles_core.config import RunConfig
 from miles_core.data.source import DataState
 from miles_core.plugins import STAGE_PLUGPOINTS, plugin_code
-from tasks.body import task_body
 from tasks.common import BatchResult, Checkpoint, Dataset, Policy, Tracking
 from tasks.metadata import BUILDER
 from tasks.replay import replay_config, tag_replay
@@ -30,7 +29,6 @@ from workflows.rl import LoopResult, blocks, plan, prepared, started
 
 
 @dynamic(container_image=cpu_image, **BUILDER)
-@task_body
 def parent_batches(
     parent: RunConfig,
     start: Policy,
@@ -53,7 +51,6 @@ def parent_batches(
 
 
 @dynamic(container_image=cpu_image, **BUILDER)
-@task_body
 def train_on_batches(
     cfg: RunConfig,
     start: Policy,
@@ -79,7 +76,6 @@ def train_on_batches(
 
 
 @dynamic(container_image=cpu_image, **BUILDER)
-@task_body
 def replay_loop(parent: RunConfig, cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking, from_iteration: int, rollouts: str) -> LoopResult:
     """The parent's iterations before from_iteration, then cfg's from there on its own rollouts or the parent's."""
     carried = blocks(parent, started(parent, start), start, dataset, run, 0, from_iteration)

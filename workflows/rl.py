@@ -22,7 +22,6 @@ from miles_core.config import RunConfig
 from miles_core.data.source import DataState
 from miles_core.loop_plan import block_plan, phase_plan, plan_blocks
 from miles_core.plugins import STAGE_PLUGPOINTS, plugin_code
-from tasks.body import task_body
 from tasks.common import Checkpoint, Dataset, Policy, Tracking
 from tasks.metadata import BUILDER
 from tasks.prepare import admit_model, base_model, make_data, read_recipe
@@ -51,14 +50,12 @@ def plan(cfg: RunConfig) -> list[tuple[int, int, bool]]:
 
 
 @dynamic(container_image=cpu_image, **BUILDER)
-@task_body
 def evaluate_start(cfg: RunConfig, start: Policy, dataset: Dataset) -> dict[str, float]:
     """The held-out evaluation before RL; a dynamic node, since only there the recipe's values (its pod's GPUs) are known."""
     return evaluated(cfg, start, dataset, plugin_code(cfg, "evaluate"))
 
 
 @dynamic(container_image=cpu_image, **BUILDER)
-@task_body
 def rl_block(
     cfg: RunConfig,
     reference: Policy,
@@ -115,7 +112,6 @@ def blocks(cfg: RunConfig, carried: LoopState, start: Policy, dataset: Dataset, 
 
 
 @dynamic(container_image=cpu_image, **BUILDER)
-@task_body
 def rl_loop(cfg: RunConfig, start: Policy, dataset: Dataset, run: Tracking) -> LoopResult:
     """Every iteration, block by block; returns the final policy and its held-out evaluation."""
     carried = blocks(cfg, started(cfg, start), start, dataset, run, 0, cfg.iterations)
