@@ -181,16 +181,19 @@ class TorchTrainer(TrainerBase):
         """The model's outputs [b, T, V] before each response token: with a group's prompt computed once where that
         pays (train/prefix.py; not while R3 replays routing by position), with the fp32 weights or with their bf16 copy
         when train.dtype is bfloat16."""
-        dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
-        lay = prefix.layout(batch, self._prefix_cost if batch.routed_experts is None else None, dtype)
-        if self.cfg.dtype != "bfloat16":
-            return self._kept(lambda inputs: self.model(**inputs), lay).flatten(0, 1)[lay.pick]
+        bf16 = self.cfg.dtype == "bfloat16"
+        lay = prefix.layout(batch, self._prefix_cost if batch.routed_experts is None else None, torch.bfloat16 if bf16 else torch.float32)
+        kept = self._bf16_kept(lay) if bf16 else self._kept(lambda inputs: self.model(**inputs), lay)
+        return kept.flatten(0, 1)[lay.pick]
+
+    def _bf16_kept(self, lay: prefix.Layout) -> torch.Tensor:
+        """`_kept` computed with the bf16 copy of the weights (copied again after each optimizer step)."""
         if self._bf16_weights is None:
             self._bf16_weights = {name: p.detach().to(torch.bfloat16).requires_grad_(p.requires_grad) for name, p in self.model.named_parameters()}
         short = lay.inputs["input_ids"].shape[1] <= _BF16_CPU_EAGER_ATTENTION_MAX_LEN
         self.model.config._attn_implementation = "eager" if self.device.type == "cpu" and short and torch.is_grad_enabled() else self._attention
         try:
-            return self._kept(lambda inputs: torch.func.functional_call(self.model, self._bf16_weights, (), inputs), lay).flatten(0, 1)[lay.pick]
+            return self._kept(lambda inputs: torch.func.functional_call(self.model, self._bf16_weights, (), inputs), lay)
         finally:
             self.model.config._attn_implementation = self._attention  # the model's own for every other user (the MTP head's pass)
 
