@@ -12,10 +12,12 @@ A target set must therefore hold whole groups ({q_proj, k_proj, v_proj}, {gate_p
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the config's rules read this module: it imports neither torch nor the converter until an adapter is converted
+    import torch
 
-from miles_core.checkpoint.hf_megatron import ArchSpec, links
+    from miles_core.checkpoint.hf_megatron import ArchSpec
 
 # a layer's megatron linear -> the HF projections it computes (paths under model.layers.<i>.)
 LINEARS = {
@@ -98,6 +100,8 @@ def megatron_refusal(lora, spec: ArchSpec, tensor_parallel: int) -> tuple[str, s
 def peft_adapter(spec: ArchSpec, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Unsharded megatron adapters ({<linear>.lora_A / .lora_B}) -> PEFT's state dict: per HF projection, lora_A [r, in]
     (a fused linear's A, shared) and lora_B [out, r] (its rows of the fused B)."""
+    from miles_core.checkpoint.hf_megatron import links  # the converter (torch): imported where an adapter is converted
+
     out = {}
     for link in links(spec):
         linear = link.mg.removesuffix(".weight")

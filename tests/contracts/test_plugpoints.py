@@ -3,6 +3,7 @@ the signature is documented beside the default, bad paths name the field, and th
 
 import dataclasses
 import inspect
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -158,3 +159,12 @@ def test_all_examples_together_run_a_step(tmp_path, capsys):
     evaluation = fns.evaluate_fn(engine, load_prompts(tmp_path / "test.jsonl"), tokenizer, fns)
     assert 0.0 <= evaluation["eval/accuracy"] <= evaluation["eval/pass_at_4"] <= 1.0
     assert "training on 8 samples" in capsys.readouterr().out
+
+
+def test_the_recipe_command_imports_no_model_stack_for_the_projects_own_plugins():
+    """A recipe whose plug-points are the defaults is checked and printed without importing torch or transformers (the
+    defaults are resolved against their signatures above); one that names other code imports it (the test above)."""
+    code = "import sys; from miles_core.config.recipe import main; main(['recipes/tiny_arith_cpu.yaml']); print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.splitlines()[0])["name"] == "tiny_arith_cpu"
+    assert out.stdout.splitlines()[-1] == "[]"
