@@ -8,10 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from miles_core.storage import user_cache
 
 REPO = Path(__file__).resolve().parents[1]
+# hypothesis keeps its examples outside the source tree: an image's tag hashes the tree's files (flytekit's ImageSpec,
+# tests/flyte), and a temporary file hypothesis wrote and removed meanwhile under ./.hypothesis failed that hash
+set_hypothesis_home_dir(user_cache() / "miles-flyte" / "hypothesis")
 PYFLYTE = Path(sys.executable).parent / "pyflyte"
 # The files that take minutes (pytest --durations), longest first. `make test` hands whole files to two workers in
 # collection order (xdist --dist loadfile): started first, they run beside the short files instead of after them.
