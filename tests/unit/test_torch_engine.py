@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from miles_core.rollout.base import Generation, RolloutEngine, SamplingParams
-from miles_core.rollout.engines.torch_engine import TorchEngine, sample_next_tokens
+from miles_core.rollout.engines.torch_engine import OneDnnHead, TorchEngine, sample_next_tokens
 from miles_core.rollout.sampling import draw
 from miles_core.weights.check import CheckpointError
 
@@ -272,6 +272,28 @@ def test_load_weights_changes_outputs_and_version(policy_dirs):
     assert all(g.weight_version == 1 for g in flatten(after))
     assert [g.logprobs for g in flatten(after)] != [g.logprobs for g in flatten(before)]
     assert [g.tokens for g in flatten(after)] != [g.tokens for g in flatten(before)]
+
+
+def test_state_dict_handed_over_reaches_the_output_head(policy_dirs):
+    """Weights loaded in memory (the async phase's hand-over) are the ones decoded with, the output head's prepacked
+    copy included: greedy tokens and log-probs equal those of an engine that loaded the same weights from files."""
+    engine, fresh = TorchEngine(policy_dirs[0]), TorchEngine(policy_dirs[1], version=1)
+    assert isinstance(engine.model.get_output_embeddings().forward, OneDnnHead) == torch.backends.mkldnn.is_available()
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=8)
+    engine.generate(PROMPTS, params)  # the head packed for version 0's weights
+    engine.load_state_dict(fresh.model.state_dict(), version=1)
+    handed, loaded = flatten(engine.generate(PROMPTS, params)), flatten(fresh.generate(PROMPTS, params))
+    assert [g.tokens for g in handed] == [g.tokens for g in loaded]
+    assert [g.logprobs for g in handed] == [g.logprobs for g in loaded]
+
+
+def test_output_head_logits_equal_the_linear_layers(policy_dirs):
+    """The oneDNN head computes the nn.Linear's logits (bitwise at this hidden size; the class's docstring says
+    where summation order can make them differ in the last bits)."""
+    head = TorchEngine(policy_dirs[0]).model.get_output_embeddings()
+    hidden = torch.randn(5, 3, head.in_features, generator=torch.Generator().manual_seed(0))[:, -1:]  # a strided slice, as logits_to_keep feeds
+    with torch.inference_mode():
+        assert torch.equal(head(hidden), torch.nn.functional.linear(hidden, head.weight, head.bias))
 
 
 def test_bad_inputs_are_named(engine, tmp_path):
