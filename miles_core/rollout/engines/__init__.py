@@ -19,7 +19,7 @@ def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, base_dir: str
     (max_batch_sequences, num_threads) tune the embedded engine and are ignored by servers that batch for themselves."""
     if cfg.engine == "sglang":
         # imported only for this engine: it brings the HTTP client and the server launcher
-        from miles_core.rollout.engines.sglang import shared_engine
+        from miles_core.rollout.engines.sglang_shared import shared_engine
 
         return shared_engine(cfg.sglang, policy_dir, version, cfg.routing_replay, base_dir, cfg.speculative_tokens)
     from miles_core.rollout.engines.torch_engine import TorchEngine

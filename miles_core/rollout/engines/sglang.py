@@ -34,7 +34,6 @@ while others remain; every HTTP call has a timeout.
 
 from __future__ import annotations
 
-import atexit
 import base64
 import dataclasses
 import logging
@@ -49,7 +48,7 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoConfig
 
-from miles_core.config import SGLangConfig, config_hash
+from miles_core.config import SGLangConfig
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from miles_core.rollout.engines.sglang_draft import speculative_launch_args, write_draft
 from miles_core.rollout.engines.sglang_server import ServerUnreachable, SGLangError, SGLangServer, address_toward, free_port
@@ -381,11 +380,6 @@ def _read_tensors(policy_dir: str):
                 yield name, f.get_tensor(name)
 
 
-# ---- one set of servers per configuration in this process (local Flyte runs every task here) ----
-
-_SHARED: dict[str, SGLangEngine] = {}
-
-
 def _routing_layout(policy_dir: str) -> tuple[list[int], int, int]:
     config = AutoConfig.from_pretrained(policy_dir).get_text_config(decoder=True)
     layers = moe_layer_ids(config)
@@ -407,26 +401,3 @@ def _required_base(adapter_dir: str, base_dir: str | None) -> str:
         raise SGLangError(f"{adapter_dir}: a LoRA adapter: the servers need its base model's directory (base_dir)")
     check_hf_dir(base_dir, tokenizer=False)
     return base_dir
-
-
-def shared_engine(
-    cfg: SGLangConfig, policy_dir: str, version: int, record_routing: bool = False, base_dir: str | None = None, speculative_tokens: int = 0
-) -> SGLangEngine:
-    """The engine of this process for `cfg`, started on first use, serving `version` on return (a LoRA adapter over the
-    base model of `base_dir`)."""
-    key = f"{config_hash(cfg)}-{record_routing}-{speculative_tokens}"
-    engine = _SHARED.get(key)
-    if engine is not None and engine.lora != is_adapter_dir(policy_dir):  # the first adapter of a LoRA run: its
-        _SHARED.pop(key).close()  # servers run the base with --enable-lora, launched anew (a pod's GPUs hold one set)
-        engine = None
-    if engine is None:
-        engine = _SHARED[key] = SGLangEngine(cfg, policy_dir, version, record_routing, base_dir, speculative_tokens)
-    else:
-        engine.load_weights(policy_dir, version)
-    return engine
-
-
-@atexit.register
-def close_shared_engines() -> None:
-    while _SHARED:
-        _SHARED.popitem()[1].close()
