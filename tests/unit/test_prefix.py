@@ -9,6 +9,8 @@ import dataclasses
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles_core.config import ModelConfig, TrainConfig
 from miles_core.models.tiny import build_tiny_model
@@ -71,6 +73,45 @@ def test_an_empty_response_takes_no_position():
     assert lay.inputs["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10]]
     kept = lay.keep.flatten()[lay.pick] * batch.response_mask.long()  # [b, T], 0 where no token
     assert kept.tolist() == [[2, 3], [0, 0], [2, 0]]
+
+
+# batches of runs: each a prompt (of tokens 1-3, so neighbouring runs may share one) and its responses (some empty)
+RUNS = st.lists(
+    st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=6), st.lists(st.lists(st.integers(4, 60), max_size=6), min_size=1, max_size=5)),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(RUNS)
+def test_each_response_token_sees_exactly_its_own_sequence(runs):
+    """Whatever the runs, prompt lengths and response lengths: the output kept for each response token is computed at
+    a packed position that holds the token before it, at that token's own position id, attending to exactly its own
+    sample's earlier tokens (the prompt, then its response so far) at their own positions."""
+    samples = [sample(prompt, response, i) for prompt, responses in runs for i, response in enumerate(responses)]
+    if not any(s.response_tokens for s in samples):
+        samples[0] = sample(samples[0].prompt_tokens, [4], 0)
+    batch = pack(samples, 0)
+    lay = prefix.layout(batch, lambda rows, length: rows, torch.float32)  # fewer rows always estimated cheaper
+    if "position_ids" not in lay.inputs:  # declined only where every row is its own run: nothing to share
+        assert len(prefix.groups(batch)) == len(samples)
+        return
+    ids, positions, seen = lay.inputs["input_ids"], lay.inputs["position_ids"], lay.inputs["attention_mask"][:, 0] == 0  # [R, L', L']
+    found = prefix.groups(batch)  # one packed row per run, as long as its longest run: the prompt once, then every response
+    assert ids.shape == (len(found), max(len(samples[r.start].prompt_tokens) + sum(len(samples[i].response_tokens) for i in r) for r in found))
+    width = lay.keep.shape[1]
+    for i, s in enumerate(samples):
+        sequence = s.prompt_tokens + s.response_tokens
+        for j in range(len(s.response_tokens)):
+            row, column = divmod(int(lay.pick[i, j]), width)
+            at = int(lay.keep[row, column])  # where the output that predicts response token j is computed
+            mine = len(s.prompt_tokens) + j  # its predecessor's length-prefix of the sample's own sequence
+            assert (int(ids[row, at]), int(positions[row, at])) == (sequence[mine - 1], mine - 1)
+            visible = seen[row, at].nonzero().flatten()
+            order = positions[row, visible].argsort()
+            assert positions[row, visible][order].tolist() == list(range(mine))
+            assert ids[row, visible][order].tolist() == sequence[:mine]
 
 
 class Elsewhere(PackedBatch):
