@@ -56,30 +56,45 @@ class PackedBatch:
 
 
 def pack(samples: list[Sample], pad_id: int) -> PackedBatch:
-    B = len(samples)
-    L = max(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-    T = max(len(s.response_tokens) for s in samples)
+    """The samples as right-padded rows: prompt then response [B, L], and per response token [B, T] where in its row
+    the logits that predict it are, and its masks and log-probs. Each column is one tensor from the samples' values
+    concatenated, scattered into place at once (a loop over the samples cost ~20 ms a batch of 512 here)."""
+    prompts = torch.tensor([len(s.prompt_tokens) for s in samples])  # [B]
+    responses = torch.tensor([len(s.response_tokens) for s in samples])  # [B]
+    B, L, T = len(samples), int((prompts + responses).max()), int(responses.max())
+    token = _ragged(prompts + responses, L)  # (row, column) of every token of every row
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    input_ids[token] = torch.tensor([t for s in samples for t in (*s.prompt_tokens, *s.response_tokens)], dtype=torch.long)
     attention_mask = torch.zeros(B, L, dtype=torch.long)
-    gather_index = torch.zeros(B, T, dtype=torch.long)
+    attention_mask[token] = 1
+    response = _ragged(responses, T)  # (row, index) of every response token
     response_mask = torch.zeros(B, T)
-    loss_mask = torch.zeros(B, T)
-    rollout_logprobs = torch.zeros(B, T)
-    prompt_lengths = torch.tensor([len(s.prompt_tokens) for s in samples])
-    teacher_logprobs = torch.zeros(B, T) if all(s.teacher_logprobs for s in samples) else None
-    for i, s in enumerate(samples):
-        P, R = len(s.prompt_tokens), len(s.response_tokens)
-        input_ids[i, : P + R] = torch.tensor(s.prompt_tokens + s.response_tokens)
-        attention_mask[i, : P + R] = 1
-        gather_index[i, :R] = torch.arange(P - 1, P - 1 + R)  # logits at t predict token t+1
-        response_mask[i, :R] = 1
-        loss_mask[i, :R] = torch.tensor(s.loss_mask, dtype=torch.float)
-        rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
-        if teacher_logprobs is not None:
-            teacher_logprobs[i, :R] = torch.tensor(s.teacher_logprobs)
+    response_mask[response] = 1.0
+    gather_index = torch.zeros(B, T, dtype=torch.long)
+    gather_index[response] = prompts[response[0]] - 1 + response[1]  # logits at t predict token t+1
+
+    def per_token(values: Callable[[Sample], list], dtype: torch.dtype = torch.float) -> torch.Tensor:
+        out = torch.zeros(B, T, dtype=dtype)
+        out[response] = torch.tensor([v for s in samples for v in values(s)], dtype=dtype)
+        return out
+
+    teacher = per_token(lambda s: s.teacher_logprobs) if all(s.teacher_logprobs for s in samples) else None
     return PackedBatch(
-        input_ids, attention_mask, gather_index, response_mask, loss_mask, rollout_logprobs, prompt_lengths, _routing(samples, L), teacher_logprobs
+        input_ids,
+        attention_mask,
+        gather_index,
+        response_mask,
+        per_token(lambda s: s.loss_mask),
+        per_token(lambda s: s.rollout_logprobs),
+        prompts,
+        _routing(samples, L),
+        teacher,
     )
+
+
+def _ragged(lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of each of the first lengths[i] entries of every row i of a [B, width] tensor, row by row."""
+    return torch.nonzero(torch.arange(width) < lengths[:, None], as_tuple=True)
 
 
 def _routing(samples: list[Sample], L: int) -> torch.Tensor | None:
