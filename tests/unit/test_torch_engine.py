@@ -294,6 +294,8 @@ def test_output_head_logits_equal_the_linear_layers(policy_dirs):
     hidden = torch.randn(5, 3, head.in_features, generator=torch.Generator().manual_seed(0))[:, -1:]  # a strided slice, as logits_to_keep feeds
     with torch.inference_mode():
         assert torch.equal(head(hidden), torch.nn.functional.linear(hidden, head.weight, head.bias))
+    head(hidden).sum().backward()  # a pass with gradients (the engine's model trained by someone) reaches the weight
+    assert head.weight.grad is not None and bool(head.weight.grad.abs().sum() > 0)
 
 
 def test_bad_inputs_are_named(engine, tmp_path):
