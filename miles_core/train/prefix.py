@@ -116,8 +116,8 @@ class _Runs:
 
 def layout(batch: PackedBatch, cost: PrefixCost | None, dtype: torch.dtype) -> Layout:
     """The packed layout of `batch` when `cost` says it is cheaper than one row per sample, else `plain`; an additive
-    mask of `dtype` (the pass's). Built with tensor operations over all rows at once (a Python loop over the rows cost
-    ~35 ms a micro-batch of 256 here, a tenth of the pass it prepares)."""
+    mask of `dtype` (the pass's). Built with tensor operations over all rows at once: 0.5-0.9 ms a micro-batch of 256
+    groups-of-8 rows on this CPU, where a Python loop over the rows took 8.5-9.3 ms."""
     if cost is None or len(batch) == 0:
         return plain(batch)
     device, rows = batch.input_ids.device, batch.to(torch.device("cpu"))  # the layout is built on the CPU
