@@ -44,6 +44,10 @@ def test_pack_aligns_response_tokens_with_their_predicting_positions():
     assert b.input_ids[:, 1:].gather(1, b.gather_index).tolist() == [[4, 5, 2], [6, 7, 8]]  # [0, 2] is padding, masked
     assert b.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
     assert b.loss_mask.tolist() == [[1, 0, 0], [1, 1, 1]]
+    # one value short in one sample and one over in the next: refused naming the sample, never shifted into place
+    s[0].loss_mask, s[1].loss_mask = [1], [1, 1, 1, 1]
+    with pytest.raises(ValueError, match=r"sample a/0: loss_mask has 1 values for 2 response tokens"):
+        pack(s, pad_id=0)
 
 
 def test_logprobs_match_a_plain_forward_pass(policy_dir):
