@@ -59,6 +59,20 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return (block * BLOCK + token).squeeze(-1)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` of [B, V] -> [B]: the first maximal index (a NaN counts as maximal), found as the first
+    block of BLOCK entries holding the row's maximum, then the first maximum inside it. torch's argmax is not
+    vectorized on the CPU: 0.45 ms at [64, 8192] and 33 ms at [256, 152064], where `amax` takes 0.03 and 7 ms."""
+    vocab = logits.shape[-1]
+    whole = vocab - vocab % BLOCK
+    maxima = logits[:, :whole].unflatten(-1, (-1, BLOCK)).amax(-1)  # [B, V // BLOCK]
+    if whole < vocab:
+        maxima = torch.cat([maxima, logits[:, whole:].amax(-1, keepdim=True)], dim=-1)  # [B, nb]
+    index = maxima.argmax(-1, keepdim=True) * BLOCK + torch.arange(BLOCK, device=logits.device)  # [B, BLOCK] the block's tokens
+    inside = logits.gather(-1, index.clamp(max=vocab - 1)).masked_fill_(index >= vocab, float("-inf"))  # [B, BLOCK]
+    return index.gather(-1, inside.argmax(-1, keepdim=True)).squeeze(-1)
+
+
 def sample_next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [B, V] raw -> (tokens [B], log-probs [B] under softmax(logits / T), unfiltered).
 
@@ -69,7 +83,7 @@ def sample_next_tokens(logits: torch.Tensor, params: SamplingParams, generator: 
     """
     raw, logits = logits, logits.float()
     if params.greedy:
-        tokens = logits.argmax(dim=-1)  # [B], taken before the softmax may write over `logits`
+        tokens = argmax(logits)  # [B], taken before the softmax may write over `logits`
         probs = torch.softmax(logits, dim=-1, out=logits if overwrite or logits is not raw else None)  # half logsumexp's time here
         return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log_()
     scaled = logits / params.temperature if params.temperature != 1.0 else logits  # [B, V]

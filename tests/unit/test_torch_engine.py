@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from miles_core.rollout.base import Generation, RolloutEngine, SamplingParams
 from miles_core.rollout.engines.torch_engine import OneDnnHead, TorchEngine, sample_next_tokens
-from miles_core.rollout.sampling import draw
+from miles_core.rollout.sampling import argmax, draw
 from miles_core.weights.check import CheckpointError
 
 VOCAB = 64
@@ -173,6 +173,19 @@ def test_draw_picks_the_token_of_one_running_sum_over_the_vocabulary(vocab):
     uniform = torch.rand((rows, 1), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     assert torch.equal(tokens, torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1))
     assert bool((weights.gather(-1, tokens[:, None]) > 0).all())
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64, 65, 200, 8193])
+def test_blocked_argmax_is_torchs_on_ties_nan_and_infinities(vocab):
+    """The greedy step's argmax (two levels of blocks) answers torch.argmax's first maximal index on rows full of ties,
+    with NaNs (maximal for argmax), infinities and rows of -inf alone, whatever the vocabulary's last block holds."""
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(60):
+        logits = torch.randint(-3, 4, (7, vocab), generator=g).float()  # [B, V], many ties
+        for every, value, share in ((5, float("nan"), 0.05), (7, float("-inf"), 0.5), (13, float("inf"), 0.1), (11, float("-inf"), 1.0)):
+            if trial % every == 0:
+                logits[torch.rand(logits.shape, generator=g) < share] = value
+        assert torch.equal(argmax(logits), logits.argmax(-1))
 
 
 def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
