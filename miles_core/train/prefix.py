@@ -99,6 +99,7 @@ class _Runs:
     place: torch.Tensor  # [b] the row's place in its run
     start: torch.Tensor  # [b] where the row's response starts in its run's packed row: after the prompt and the responses before it
     response: torch.Tensor  # [b] the row's response length
+    tokens: tuple[torch.Tensor, torch.Tensor]  # (row, index in its response) of every response token, row by row
 
     @classmethod
     def of(cls, rows: PackedBatch) -> _Runs:
@@ -106,7 +107,8 @@ class _Runs:
         run, first = starts.cumsum(0) - 1, torch.nonzero(starts).flatten()
         response = rows.response_mask.sum(1).long()
         before = response.cumsum(0) - response  # response tokens of the rows before, over the whole batch
-        return cls(first, run, torch.arange(len(rows)) - first[run], rows.prompt_lengths + before - before[first][run], response)
+        start = rows.prompt_lengths + before - before[first][run]
+        return cls(first, run, torch.arange(len(rows)) - first[run], start, response, torch.nonzero(rows.response_mask, as_tuple=True))
 
     @property
     def length(self) -> int:
@@ -146,25 +148,22 @@ def _packed_rows(rows: PackedBatch, runs: _Runs) -> tuple[torch.Tensor, torch.Te
     input_ids[:, :widest] = rows.input_ids[runs.first, :widest] * in_prompt
     positions[:, :widest] = column * in_prompt
     segment[:, :widest] = torch.where(in_prompt, -1, -2)
-    b, T = rows.gather_index.shape
-    j = torch.arange(T)
-    valid = j < runs.response[:, None]  # [b, T] the response tokens
-    source = (prompt[:, None] + j)[valid]  # each one's column in its own row, and so its position
-    into = (runs.run[:, None].expand(b, T)[valid], (runs.start[:, None] + j)[valid])  # its place in the packed rows
-    input_ids[into] = rows.input_ids[torch.arange(b)[:, None].expand(b, T)[valid], source]
-    positions[into], segment[into] = source, runs.place[:, None].expand(b, T)[valid]
+    row, j = runs.tokens
+    source = prompt[row] + j  # each response token's column in its own row, and so its position
+    into = (runs.run[row], runs.start[row] + j)  # its place in the packed rows
+    input_ids[into] = rows.input_ids[row, source]
+    positions[into], segment[into] = source, runs.place[row]
     return input_ids, positions, segment
 
 
 def _kept(rows: PackedBatch, runs: _Runs) -> tuple[torch.Tensor, torch.Tensor]:
     """(keep [R, K]: the packed positions whose outputs predict a response token, each response's T slots in its run's
     row; pick [b, T]: each response token's slot in the flattened [R * K])."""
-    b, T = rows.gather_index.shape
+    T = rows.gather_index.shape[1]
     width = int(torch.bincount(runs.run).max()) * T
-    j = torch.arange(T)
-    valid = j < runs.response[:, None]  # [b, T]
-    predecessor = runs.start[:, None] - 1 + j  # [b, T] the output before each response token: its predecessor's,
-    predecessor[:, :1] = rows.prompt_lengths[:, None] - 1  # and the first one's predecessor is the prompt's last token
+    row, j = runs.tokens
+    # the output before each response token: its predecessor's, and the first one's the prompt's last token
+    predecessor = torch.where(j == 0, rows.prompt_lengths[row], runs.start[row] + j) - 1
     keep = torch.zeros(len(runs.first), width, dtype=torch.long)
-    keep[runs.run[:, None].expand(b, T)[valid], (runs.place[:, None] * T + j)[valid]] = predecessor[valid]
-    return keep, (runs.run * width + runs.place * T)[:, None] + j
+    keep[runs.run[row], runs.place[row] * T + j] = predecessor
+    return keep, (runs.run * width + runs.place * T)[:, None] + torch.arange(T)

@@ -11,7 +11,7 @@ Departs from plain `model.generate` where it measured faster on this 2-core CPU 
 * Prefill: the n samples of a prompt share one prefill; its cache is copied to the n rows.
 * The attention mask of the whole decode is allocated once and sliced per step.
 * The output head (the largest matmul of a step for a small model) runs on oneDNN with its weight prepacked
-  (`OneDnnHead`): 2.87x HF at batch 64 instead of 2.58-2.71x before it (bench/rollout.py --threads 1).
+  (`OneDnnHead`): 2.99x HF at batch 64 instead of 2.58-2.71x before it (bench/rollout.py --threads 1, README).
 Greedy decoding is argmax over the same logits and matches `model.generate(do_sample=False)`.
 Any HF directory loads through `miles_core.models.load_causal_lm` (a multimodal checkpoint as its text
 model).  Prompts are left-padded to decode together; a model whose attention is not invariant to
