@@ -23,7 +23,7 @@ from miles_core.step import StepFns, train_step
 from miles_core.train.base import Trainer
 from miles_core.train.torch_backend import TorchCritic, TorchTrainer
 from miles_core.weights.check import check_hf_dir
-from miles_core.weights.publish import copy_tokenizer, publish
+from miles_core.weights.publish import HfCheckpoint, copy_tokenizer, publish
 
 
 def _backend(cfg: TrainConfig):
@@ -78,8 +78,10 @@ def export_policy(
         from miles_core.checkpoint.torch_dist import TorchDistCheckpoint  # optional backend: imported where used
 
         trainer = TorchDistCheckpoint(ckpt_dir)
-    else:
+    elif cfg.lora.rank:
         trainer = TorchTrainer.load(ckpt_dir, cfg, base_dir, device="cpu", weights_only=True)
+    else:
+        trainer = HfCheckpoint(ckpt_dir)
     adapter = (cfg.lora, base_dir) if cfg.lora.rank else None
     return publish(trainer, ckpt_dir, out_dir, publish_cfg.dtype, version, parent_version, source, publish_cfg.fmt, adapter)
 

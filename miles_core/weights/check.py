@@ -58,7 +58,8 @@ def _expected_tensors(directory: Path, config: dict) -> dict[str, tuple[int, ...
         raise CheckpointError(f"{directory / 'config.json'}: transformers cannot build a model from it ({reason})") from None
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of an HF directory: the shards its index names, or model.safetensors."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         weight_map = json_object(index, "the shard index").get("weight_map")
@@ -103,7 +104,7 @@ def check_hf_dir(path: str | Path, tokenizer: bool = True) -> None:
         raise CheckpointError(f"{directory}: not a directory (an HF weight directory was expected)")
     config = json_object(directory / "config.json", "the model's config")
     found: dict[str, tuple[tuple[int, ...], str]] = {}
-    for file in _weight_files(directory):
+    for file in weight_files(directory):
         found.update(_read_tensors(file))
     found = _int4_as_restored(found)
     for name, shape in _expected_tensors(directory, config).items():

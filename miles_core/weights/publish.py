@@ -15,11 +15,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from miles_core.config import LoraConfig
+from miles_core.models.mtp import MTP_CONFIG, MTP_DIR, MTP_WEIGHTS, has_head
 from miles_core.storage import atomic_dir, sha256_file
 from miles_core.weights.adapter import write_adapter
-from miles_core.weights.check import CheckpointError, json_object
+from miles_core.weights.check import CheckpointError, json_object, weight_files
 from miles_core.weights.quantize import quantize_dir
 
 # What a checkpoint holds beside its weights that every version after it keeps: the tokenizer in any
@@ -89,6 +91,31 @@ def read_manifest(policy_dir: str | Path) -> dict:
         if not isinstance(manifest[key], kinds) or isinstance(manifest[key], bool):
             raise CheckpointError(f"{path}: key {key}: expected {' or '.join(k.__name__ for k in kinds)}, got {type(manifest[key]).__name__}")
     return manifest
+
+
+class HfCheckpoint:
+    """A checkpoint that holds the full model as an HF directory (the torch backend's, its draft head beside) seen as
+    a trainer by `publish`: its weight files are exported one by one, each floating-point tensor cast to the published
+    dtype, without building the model; a publishing pod holds one shard at a time and runs no model code."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        self.ckpt_dir = Path(ckpt_dir)
+
+    def export_hf(self, out_dir: str, dtype: str) -> None:
+        out, total = Path(out_dir), 0
+        for file in weight_files(self.ckpt_dir):
+            tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in load_file(file).items()}
+            save_file(tensors, out / file.name, metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        index = self.ckpt_dir / "model.safetensors.index.json"
+        if index.exists():  # the shards' total size changes with the dtype
+            shards = json_object(index, "the shard index")
+            (out / index.name).write_text(json.dumps({**shards, "metadata": {**shards.get("metadata", {}), "total_size": total}}, indent=2))
+        shutil.copy2(self.ckpt_dir / "config.json", out / "config.json")
+        if has_head(self.ckpt_dir):  # the draft head is published as trained (its optimizer state stays behind)
+            (out / MTP_DIR).mkdir()
+            for name in (MTP_WEIGHTS, MTP_CONFIG):
+                shutil.copy2(self.ckpt_dir / MTP_DIR / name, out / MTP_DIR / name)
 
 
 def publish(
