@@ -179,15 +179,38 @@ def _found(client, name: str, **tags: object):
     return sorted(client.search_model_versions(query), key=lambda found: int(found.version))
 
 
-def _create_model(client, name: str) -> None:
-    """The registered model `name`, created unless it exists (another run of the experiment may create it meanwhile)."""
+_REGISTRIES: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}  # (uri, run_id) -> what _registry_of read
+
+
+def _registry_of(uri: str, run_id: str) -> tuple[str, dict[str, str]]:
+    """The registered model of a run's policies and the run's lineage tags (RUN_LINEAGE), which the start_run task set
+    once: read once per process (a run of many iterations registers one policy an iteration)."""
+    key = (uri, run_id)
+    if key not in _REGISTRIES:
+        client = _client(uri)
+        run = client.get_run(run_id)
+        lineage = {k: run.data.tags[k] for k in RUN_LINEAGE if k in run.data.tags}
+        _REGISTRIES[key] = policy_model(client.get_experiment(run.info.experiment_id).name), lineage
+    name, lineage = _REGISTRIES[key]
+    return name, dict(lineage)
+
+
+def _new_version(client, name: str, source: str, run_id: str, tags: dict[str, str], description: str):
+    """A new version of the registered model `name`; the model is created first where it does not exist yet (the
+    experiment's first policy: another run of the experiment may create it meanwhile)."""
     from mlflow.exceptions import MlflowException  # heavy import, only where tracking happens
 
+    try:
+        return client.create_model_version(name, source, run_id=run_id, tags=tags, description=description)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
     try:
         client.create_registered_model(name, description="The policies the RL runs of this experiment published")
     except MlflowException as error:
         if error.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
+    return client.create_model_version(name, source, run_id=run_id, tags=tags, description=description)
 
 
 def register_policy(uri: str, run_id: str, policy_uri: str, manifest: dict, iteration: int):
@@ -200,11 +223,9 @@ def register_policy(uri: str, run_id: str, policy_uri: str, manifest: dict, iter
 
     try:
         client = _client(uri)
-        run = client.get_run(run_id)
-        name = policy_model(client.get_experiment(run.info.experiment_id).name)
+        name, lineage = _registry_of(uri, run_id)
         if done := _found(client, name, run_id=run_id, policy_version=manifest["version"]):
             return done[0]
-        _create_model(client, name)
         parent = manifest["parent_version"]
         tags = {
             "run_id": run_id,
@@ -213,9 +234,9 @@ def register_policy(uri: str, run_id: str, policy_uri: str, manifest: dict, iter
             "parent_version": "" if parent is None else parent,
             "weights_sha256": manifest["weights_sha256"],
             "policy_dir": policy_uri,
-        } | {key: run.data.tags[key] for key in RUN_LINEAGE if key in run.data.tags}
+        } | lineage
         about = f"policy v{manifest['version']} after iteration {iteration} of run {run_id}"
-        return client.create_model_version(name, policy_uri, run_id=run_id, tags={k: str(v) for k, v in tags.items()}, description=about)
+        return _new_version(client, name, policy_uri, run_id, {k: str(v) for k, v in tags.items()}, about)
     except (MlflowException, OSError) as error:
         logging.getLogger(__name__).warning(
             f"MLflow model registry: policy v{manifest['version']} ({policy_uri}) of run {run_id} not registered in {uri}: {error}"

@@ -43,6 +43,18 @@ def test_each_published_policy_is_a_version_with_its_lineage(run, tmp_path):
     assert third.tags == lineage | {"weights_sha256": policies[2][1]["weights_sha256"]} | RUN_TAGS
 
 
+def test_the_runs_of_an_experiment_share_its_registered_model(run, tmp_path):
+    """The first policy of the experiment creates the model; a later run's policies are versions of the same model,
+    each with its own run's lineage."""
+    uri, first = run
+    other_tags = RUN_TAGS | {"config_hash": "beef", "flyte.execution_id": "p:d:exec2"}
+    second = tracking.start_run(uri, "arith", str(tmp_path / "mlartifacts"), "arith-2", params={"seed": 1}, tags=other_tags)
+    registered = [tracking.register_policy(uri, run_id, *published(tmp_path / run_id, 1), 0) for run_id in (first, second)]
+    assert [(v.name, int(v.version), v.run_id) for v in registered] == [("arith-policy", 1, first), ("arith-policy", 2, second)]
+    assert [v.tags["config_hash"] for v in registered] == ["c0ffee", "beef"]
+    assert len(MlflowClient(tracking_uri=uri).search_registered_models()) == 1
+
+
 def test_registering_a_policy_again_keeps_its_version(run, tmp_path):
     """A retried tracking task registers the same policy of the same run once."""
     uri, run_id = run
