@@ -124,9 +124,9 @@ class RolloutBatchSchema(pa.DataFrameModel):
     routed_experts: Series[object]
     teacher_logprobs: Series[object]
 
-    @pa.check(*TOKEN_COLUMNS, element_wise=True, name="non_empty")
-    def non_empty(cls, tokens) -> bool:
-        return _sized(tokens) and len(tokens) > 0
+    @pa.check(*TOKEN_COLUMNS, name="non_empty")
+    def non_empty(cls, tokens: Series[object]) -> Series[bool]:
+        return _lengths(tokens) > 0
 
     @pa.check(*TOKEN_COLUMNS, name="integer_ids")
     def integer_ids(cls, tokens: Series[object]) -> Series[bool]:
@@ -151,36 +151,33 @@ class RolloutBatchSchema(pa.DataFrameModel):
             values, lambda flat: flat.numbers() and flat.values.dtype.kind != "f", lambda flat: (flat.values == 0) | (flat.values == 1), _binary_mask
         )
 
-    @pa.check("metadata", element_wise=True, name="json_object")
-    def json_object(cls, text) -> bool:
-        try:
-            return isinstance(json.loads(text), dict)
-        except (TypeError, ValueError, RecursionError):
-            return False
+    @pa.check("metadata", name="json_object")
+    def json_object(cls, texts: Series[str]) -> Series[bool]:
+        return pd.Series([_json_object(text) for text in texts.tolist()], index=texts.index, dtype=bool)
 
     @pa.dataframe_check(name="aligned_lengths")
     def aligned_lengths(cls, df: pd.DataFrame) -> Series[bool]:
         """response_tokens, rollout_logprobs and loss_mask have one entry per response token."""
         if not _has(df, "aligned_lengths"):
             return _passes(df)
-        n = df["response_tokens"].map(_length)
-        return (n >= 0) & (n == df["rollout_logprobs"].map(_length)) & (n == df["loss_mask"].map(_length))
+        n = _lengths(df["response_tokens"])
+        return (n >= 0) & (n == _lengths(df["rollout_logprobs"])) & (n == _lengths(df["loss_mask"]))
 
     @pa.dataframe_check(name="teacher_logprobs_aligned")
     def teacher_logprobs_aligned(cls, df: pd.DataFrame) -> Series[bool]:
         """The teacher's log-probs, where a teacher scored the batch, have one entry per response token."""
         if not _has(df, "teacher_logprobs_aligned"):
             return _passes(df)
-        scored = df["teacher_logprobs"].map(_length)
-        return (scored == 0) | (scored == df["response_tokens"].map(_length))
+        scored = _lengths(df["teacher_logprobs"])
+        return (scored == 0) | (scored == _lengths(df["response_tokens"]))
 
     @pa.dataframe_check(name="routing_per_position")
     def routing_per_position(cls, df: pd.DataFrame) -> Series[bool]:
         """Recorded routing has one width (MoE layers x k) for every position fed and every sample, or is empty."""
         if not _has(df, "routing_per_position"):
             return _passes(df)
-        fed = df["prompt_tokens"].map(_length) + df["response_tokens"].map(_length) - 1
-        recorded = df["routed_experts"].map(_length)
+        fed = _lengths(df["prompt_tokens"]) + _lengths(df["response_tokens"]) - 1
+        recorded = _lengths(df["routed_experts"])
         width = (recorded // fed.clip(lower=1)).where(recorded > 0)
         return (recorded == 0) | ((fed > 0) & (recorded == width * fed) & (width == width.max()))
 
@@ -212,9 +209,9 @@ class ScoredBatchSchema(RolloutBatchSchema):
 class DistilledBatchSchema(ScoredBatchSchema):
     """A scored batch the distillation teacher has scored too: every sample carries the teacher's log-probs."""
 
-    @pa.check("teacher_logprobs", element_wise=True, name="teacher_scored")
-    def teacher_scored(cls, values) -> bool:
-        return _sized(values) and len(values) > 0
+    @pa.check("teacher_logprobs", name="teacher_scored")
+    def teacher_scored(cls, values: Series[object]) -> Series[bool]:
+        return _lengths(values) > 0
 
 
 # The columns each row-wise check reads: named in its error, and a missing one is reported once, as missing.
@@ -235,8 +232,16 @@ def _passes(df: pd.DataFrame) -> pd.Series:
     return pd.Series(True, index=df.index)
 
 
-def _length(values) -> int:
-    return len(values) if _sized(values) else -1
+def _lengths(column: pd.Series) -> pd.Series:
+    """Per row: the length of its sequence (a list, tuple or array), -1 where it holds none."""
+    return pd.Series([len(v) if _sized(v) else -1 for v in column.tolist()], index=column.index, dtype=np.int64)
+
+
+def _json_object(text) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (TypeError, ValueError, RecursionError):
+        return False
 
 
 def _finite_logprobs(values) -> bool:
