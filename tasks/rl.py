@@ -141,7 +141,7 @@ def rollout(
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     shape = {"vocab_size": vocab_size(policy_dir), "group_size": cfg.n_samples}
     waiting = groups_of(read_batch(buffer.download(), scored=True, **shape), cfg.n_samples) if buffer is not None else []
-    engine = make_engine(cfg, policy_dir, policy.version, base_dir_of(policy))
+    engine = make_engine(cfg, policy_dir, policy.version, base_dir_of(policy), shared=True)
     samples, left, metrics = fns.rollout_fn(engine, source, tokenizer, fns, scorer_of(fns, tokenizer), waiting, rollout_seed(cfg, iteration))
     metrics.update(weight_update_metrics(engine))
     inputs = (cfg, reward, uri_of(policy.dir), state, uri_of(buffer) if buffer else "", code)
@@ -233,7 +233,7 @@ def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: R
     (`time/evaluate_s`: what a benchmark of training time leaves out)."""
     started = time.perf_counter()
     policy_dir = policy.dir.download()
-    engine = make_engine(rollout, policy_dir, policy.version, base_dir_of(policy), max_batch_sequences=cfg.batch_size)
+    engine = make_engine(rollout, policy_dir, policy.version, base_dir_of(policy), shared=True, max_batch_sequences=cfg.batch_size)
     fns = bind(rollout=rollout, reward=reward, evaluation=cfg)
     metrics = fns.evaluate_fn(engine, _prompts(dataset.test, data), AutoTokenizer.from_pretrained(policy_dir), fns)
     print(f"evaluate: policy v{policy.version}: held-out accuracy {metrics['eval/accuracy']:.3f}")

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from miles_core.config import RolloutConfig
 from miles_core.rollout.base import Generation, RolloutEngine, SamplingParams
+from miles_core.rollout.engines import make_engine
 from miles_core.rollout.engines.torch_engine import OneDnnHead, TorchEngine, sample_next_tokens
 from miles_core.rollout.sampling import argmax, draw
 from miles_core.weights.check import CheckpointError
@@ -16,7 +21,7 @@ STOP_IDS = tuple(range(6))  # ~10% of the vocabulary: some responses stop, some 
 PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27], [30], [40, 41, 42, 43, 44]]
 
 
-def build_tiny_qwen2(path, seed: int) -> str:
+def build_tiny_qwen2(path, seed: int, tied: bool = False, intermediate_size: int = 384) -> str:
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=VOCAB,
@@ -24,9 +29,9 @@ def build_tiny_qwen2(path, seed: int) -> str:
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        intermediate_size=384,
+        intermediate_size=intermediate_size,
         max_position_embeddings=128,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         initializer_range=0.2,  # peaked enough that top-k / greedy choices are not near-ties
     )
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -285,6 +290,55 @@ def test_load_weights_changes_outputs_and_version(policy_dirs):
     assert all(g.weight_version == 1 for g in flatten(after))
     assert [g.logprobs for g in flatten(after)] != [g.logprobs for g in flatten(before)]
     assert [g.tokens for g in flatten(after)] != [g.tokens for g in flatten(before)]
+
+
+def decoded(engine: TorchEngine) -> list[tuple[list[int], list[float]]]:
+    return [(g.tokens, g.logprobs) for g in flatten(engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8, seed=3)))]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_policy_of_the_same_architecture_loads_into_the_model_built_as_into_a_new_one(tmp_path, tied):
+    """Weights whose config files are the loaded ones' are copied into the model built already (a shared engine's next
+    policy): it decodes exactly as an engine built on them; a tied head comes with the embedding."""
+    first, second = (build_tiny_qwen2(tmp_path / f"v{seed}", seed, tied) for seed in (0, 1))
+    engine = TorchEngine(first)
+    model, before = engine.model, decoded(engine)  # decoding packs the output head for the first weights
+    engine.load_weights(second, version=1)
+    assert engine.model is model and engine.weight_version == 1
+    assert decoded(engine) == decoded(TorchEngine(second, version=1)) != before
+
+
+def test_a_policy_of_another_shape_or_with_other_tensors_is_loaded_anew(policy_dirs, tmp_path):
+    """Another architecture is built anew; a directory whose config matches but whose tensors do not (one missing, one
+    an integer) is judged by the full load, which names what is wrong and keeps the policy loaded."""
+    engine = TorchEngine(policy_dirs[0], version=0)
+    model, wider = engine.model, build_tiny_qwen2(tmp_path / "wider", 2, intermediate_size=256)
+    engine.load_weights(wider, version=1)
+    assert engine.model is not model and decoded(engine) == decoded(TorchEngine(wider, version=1))
+    engine.load_weights(policy_dirs[0], version=2)
+    tensors = load_file(f"{policy_dirs[1]}/model.safetensors")
+    for change, error in [
+        (lambda t: t.pop("lm_head.weight"), "tensor lm_head.weight missing"),
+        (lambda t: t.update({"lm_head.weight": t["lm_head.weight"].long()}), "tensor lm_head.weight has dtype I64"),
+    ]:
+        broken = tmp_path / f"broken-{len(error)}"
+        shutil.copytree(policy_dirs[1], broken)
+        changed = dict(tensors)
+        change(changed)
+        save_file(changed, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=error):
+            engine.load_weights(str(broken), version=3)
+        assert engine.weight_version == 2 and decoded(engine) == decoded(TorchEngine(policy_dirs[0], version=2)), error
+
+
+def test_a_shared_engine_is_the_process_one_for_its_settings(policy_dirs):
+    """make_engine(shared=True) hands every caller with the same settings one engine, loaded with the caller's policy;
+    other settings, or shared=False, get an engine of their own."""
+    first = make_engine(RolloutConfig(), policy_dirs[0], 0, shared=True, max_batch_sequences=7)
+    second = make_engine(RolloutConfig(), policy_dirs[1], 1, shared=True, max_batch_sequences=7)
+    assert second is first and (first.policy_dir, first.weight_version) == (policy_dirs[1], 1)
+    assert make_engine(RolloutConfig(), policy_dirs[1], 1, shared=True, max_batch_sequences=8) is not first
+    assert make_engine(RolloutConfig(), policy_dirs[1], 1, max_batch_sequences=7) is not first
 
 
 def test_state_dict_handed_over_reaches_the_output_head(policy_dirs):
