@@ -21,8 +21,9 @@ import torch
 
 from miles_core.models.mtp import MTP_DIR, HiddenTap, MtpHead, build_head, draft_logits, has_head, load_head, save_head
 from miles_core.train.base import PackedBatch
+from miles_core.train.optimizer_state import OPTIMIZER, load_optimizer, save_optimizer
 
-MTP_OPTIMIZER = f"{MTP_DIR}/optimizer.pt"  # in a checkpoint, beside the head
+MTP_OPTIMIZER = f"{MTP_DIR}/{OPTIMIZER}"  # in a checkpoint, beside the head
 
 
 def trained_positions(batch: PackedBatch) -> torch.Tensor:
@@ -71,7 +72,7 @@ class MtpTrainer:
         trainer = cls(head.to(model.device), cfg)
         optimizer_file = Path(source_dir) / MTP_OPTIMIZER
         if optimizer_file.exists():
-            trainer.optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+            load_optimizer(trainer.optimizer, optimizer_file)
         return trainer
 
     def train_on(self, model: torch.nn.Module, batch: PackedBatch) -> dict[str, float]:
@@ -93,7 +94,7 @@ class MtpTrainer:
 
     def save(self, ckpt_dir: str) -> None:
         save_head(self.head, ckpt_dir)
-        torch.save(self.optimizer.state_dict(), Path(ckpt_dir) / MTP_OPTIMIZER)
+        save_optimizer(self.optimizer, Path(ckpt_dir) / MTP_OPTIMIZER)
 
     def export(self, policy_dir: str) -> None:
         save_head(self.head, policy_dir)

@@ -11,7 +11,7 @@ trains on its share of each mini-batch's rows, and the gradients are summed befo
 same arithmetic as DDP; every process then holds the same weights, and rank 0 writes). `TorchCritic` is the same trainer around a value model (the policy's
 transformer with a scalar head, HF's *ForTokenClassification), for PPO; its `logprobs` are
 the values V(s_t) of the state before each response token.  A checkpoint is a directory holding the model as HF safetensors
-(`save_pretrained`), `optimizer.pt` and `trainer_state.json` (step, torch RNG state), so a
+(`save_pretrained`), `optimizer.safetensors` (train/optimizer_state.py) and `trainer_state.json` (step, torch RNG state), so a
 resumed run continues bitwise on CPU.  With train.lora the model carries PEFT's LoRA adapters: the base weights are
 frozen, the optimizer holds the adapters (and train.lora.trainable), and a checkpoint holds the adapter alone
 (weights/adapter.py) where it would hold the model; the base it applies to is the train task's reference policy.  The weights and AdamW state are fp32 whatever train.dtype says.  With
@@ -45,6 +45,7 @@ from miles_core.routing import RouterTaps
 from miles_core.train import prefix
 from miles_core.train.base import LossFn, PackedBatch, TrainerBase, WeightsFn
 from miles_core.train.mtp import MtpTrainer
+from miles_core.train.optimizer_state import OPTIMIZER, load_optimizer, save_optimizer
 from miles_core.train.qat import fake_quantize_forward
 from miles_core.weights.adapter import adapter_state, is_adapter_dir, load_adapter_state, with_adapters, write_adapter
 
@@ -132,9 +133,9 @@ class TorchTrainer(TrainerBase):
         trainer.mtp = MtpTrainer.for_policy(trainer.model, ckpt_dir, cfg)
         if weights_only:
             return trainer
-        optim_file = Path(ckpt_dir) / "optimizer.pt"
+        optim_file = Path(ckpt_dir) / OPTIMIZER
         if optim_file.exists():  # a freshly converted checkpoint has no optimizer state yet
-            trainer.optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=True))  # moved to the parameters' device
+            load_optimizer(trainer.optimizer, optim_file)
         torch.set_rng_state(torch.load(Path(ckpt_dir) / "rng.pt", weights_only=True))
         return trainer
 
@@ -146,7 +147,7 @@ class TorchTrainer(TrainerBase):
         else:
             self.model.save_pretrained(ckpt_dir, safe_serialization=True)
         if self.step:
-            torch.save(self.optimizer.state_dict(), Path(ckpt_dir) / "optimizer.pt")
+            save_optimizer(self.optimizer, Path(ckpt_dir) / OPTIMIZER)
         torch.save(torch.get_rng_state(), Path(ckpt_dir) / "rng.pt")
         if self.mtp is not None:
             self.mtp.save(ckpt_dir)

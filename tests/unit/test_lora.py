@@ -85,7 +85,7 @@ def test_the_optimizer_holds_only_the_adapter_and_the_base_stays_bitwise(trained
 def test_a_checkpoint_holds_the_adapter_alone_and_resumes_bitwise(trained):
     base, trainer, ckpt, _ = trained
     assert not any(name.startswith("model") and name.endswith(".safetensors") for name in os.listdir(ckpt))
-    assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"} <= set(os.listdir(ckpt))
+    assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "rng.pt", "trainer_state.json"} <= set(os.listdir(ckpt))
     assert os.path.getsize(f"{ckpt}/adapter_model.safetensors") * 10 < os.path.getsize(f"{base}/model.safetensors")
     resumed = TorchTrainer.load(ckpt, LORA, base)
     assert resumed.step == trainer.step == 2
