@@ -59,23 +59,32 @@ def to_frame(samples: list[Sample]) -> pd.DataFrame:
 
 
 def from_frame(frame: pd.DataFrame) -> list[Sample]:
-    out = []
-    for row in frame.itertuples(index=False):
-        out.append(
-            Sample(
-                prompt_id=str(row.prompt_id),
-                index=int(row.index),
-                prompt_tokens=[int(t) for t in row.prompt_tokens],
-                response_tokens=[int(t) for t in row.response_tokens],
-                rollout_logprobs=[float(x) for x in row.rollout_logprobs],
-                loss_mask=[int(m) for m in row.loss_mask],
-                finish_reason=str(row.finish_reason),
-                weight_version=int(row.weight_version),
-                label=str(row.label),
-                metadata=json.loads(row.metadata),
-                reward=float(row.reward),
-                routed_experts=[int(e) for e in row.routed_experts],
-                teacher_logprobs=[float(x) for x in row.teacher_logprobs],
-            )
-        )
-    return out
+    """The samples of a checked batch, each value of the Python type its field declares."""
+    columns = [[_CONVERTERS[name](value) for value in frame[name].tolist()] for name in COLUMNS]
+    return [Sample(*values) for values in zip(*columns)]
+
+
+def _ints(values) -> list[int]:
+    """A sequence of integers as Python ints: an integer array's at once (what parquet reads), else one by one."""
+    return values.tolist() if isinstance(values, np.ndarray) and values.dtype.kind in "iu" else [int(v) for v in values]
+
+
+def _floats(values) -> list[float]:
+    return values.tolist() if isinstance(values, np.ndarray) and values.dtype.kind == "f" else [float(v) for v in values]
+
+
+_CONVERTERS = {
+    "prompt_id": str,
+    "index": int,
+    "prompt_tokens": _ints,
+    "response_tokens": _ints,
+    "rollout_logprobs": _floats,
+    "loss_mask": _ints,
+    "finish_reason": str,
+    "weight_version": int,
+    "label": str,
+    "metadata": json.loads,
+    "reward": float,
+    "routed_experts": _ints,
+    "teacher_logprobs": _floats,
+}

@@ -3,6 +3,7 @@
 import collections
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -21,6 +22,26 @@ def test_round_trip_through_parquet(tmp_path):
     back = read_batch(path, scored=True, reward_range=(0, 1))
     assert [s.sample_id for s in back] == ["p0/0", "p0/1", "p1/0", "p1/1"]
     assert back[2].metadata == {"k": 2} and back[2].rollout_logprobs == [-0.5, -0.25, -1.0] and back[0].reward == 1.0
+
+
+def test_samples_come_back_as_python_values_from_any_column_types(tmp_path):
+    """Whatever a checked frame holds (parquet's arrays of any width, a JSON file's lists), each sample's values are of
+    its fields' Python types, equal to what was written."""
+    samples = batch(reward=1.0)
+    samples[0].routed_experts, samples[0].teacher_logprobs = [3, 1, 0, 2, 1, 3, 0, 1, 2, 3], [-0.5, -0.75, -2.0]  # 5 positions fed x 2
+    frame = to_frame(samples)
+    arrays = frame.assign(
+        prompt_tokens=[np.asarray(t, dtype=np.int32) for t in frame["prompt_tokens"]],
+        rollout_logprobs=[np.asarray(t, dtype=np.float32) for t in frame["rollout_logprobs"]],
+        loss_mask=[np.asarray(t, dtype=np.uint8) for t in frame["loss_mask"]],
+    )
+    lists = frame.assign(rollout_logprobs=[[-1, -0.25, -1] for _ in range(len(frame))], routed_experts=[list(e) for e in frame["routed_experts"]])
+    for back in (from_frame(arrays), from_frame(lists), read_batch(write_batch(samples, tmp_path / "b.parquet"))):
+        assert [s.prompt_tokens for s in back] == [s.prompt_tokens for s in samples]
+        assert all(type(v) is int for s in back for v in (*s.prompt_tokens, *s.response_tokens, *s.loss_mask, *s.routed_experts, s.index))
+        assert all(type(v) is float for s in back for v in (*s.rollout_logprobs, *s.teacher_logprobs, s.reward))
+        assert all(type(v) is str for s in back for v in (s.prompt_id, s.finish_reason, s.label)) and back[3].metadata == {"k": 3}
+    assert from_frame(lists)[0].rollout_logprobs == [-1.0, -0.25, -1.0] and from_frame(arrays)[0].routed_experts == [3, 1, 0, 2, 1, 3, 0, 1, 2, 3]
 
 
 def expect(frame, *needles, **kwargs):
