@@ -48,14 +48,10 @@ COLUMNS = [f.name for f in fields(Sample)]
 
 
 def to_frame(samples: list[Sample]) -> pd.DataFrame:
-    rows = []
-    for s in samples:
-        row = {name: getattr(s, name) for name in COLUMNS}  # not asdict: its deep copy of every token list is 3/4 of a write
-        row["metadata"] = json.dumps(s.metadata, sort_keys=True)
-        row["routed_experts"] = np.asarray(s.routed_experts, dtype=np.int16)  # expert ids < 32768: every published MoE
-        row["sample_id"] = s.sample_id
-        rows.append(row)
-    return pd.DataFrame(rows, columns=["sample_id", *COLUMNS])
+    columns = {"sample_id": [s.sample_id for s in samples]} | {name: [getattr(s, name) for s in samples] for name in COLUMNS}
+    columns["metadata"] = [json.dumps(metadata, sort_keys=True) for metadata in columns["metadata"]]
+    columns["routed_experts"] = [np.asarray(experts, dtype=np.int16) for experts in columns["routed_experts"]]  # ids < 32768: every published MoE
+    return pd.DataFrame(columns)
 
 
 def from_frame(frame: pd.DataFrame) -> list[Sample]:
