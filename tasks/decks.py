@@ -20,10 +20,12 @@ from flytekit.deck import DeckField
 from miles_core.dump import per_token, readable_frame
 from miles_core.samples import Sample
 
-# @task arguments of a task with decks: flytekit's own (source, timeline, inputs, outputs) beside the task's, but not
+# @task arguments of a task with decks: flytekit's own (source, inputs, outputs) beside the task's, but not
 # "Dependencies", which runs `pip list` and `pip freeze` each time the task runs (about 1 s of every iteration on the
-# score and train tasks); the image's packages are the pinned requirements.lock
-DECKS = {"enable_deck": True, "deck_fields": (DeckField.SOURCE_CODE, DeckField.TIMELINE, DeckField.INPUT, DeckField.OUTPUT)}
+# score and train tasks; the image's packages are the pinned requirements.lock), nor "Timeline": flytekit 1.16 keeps one
+# timeline per process, so in a local run each task's deck listed the phases of every task run before it (180 rows by
+# the 13th iteration, each deck written anew: a cost growing with the run); the console shows each node's times
+DECKS = {"enable_deck": True, "deck_fields": (DeckField.SOURCE_CODE, DeckField.INPUT, DeckField.OUTPUT)}
 ROWS = 16  # responses in the sample table
 BINS = 20  # bars of a histogram
 TABLE = ["sample_id", "weight_version", "prompt", "response", "reward", "response_length", "finish_reason"]

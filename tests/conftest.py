@@ -76,10 +76,15 @@ def run_workflow(recipe: str, root: Path, home: Path, *overrides: str, workflow:
     return out
 
 
+def deck_files(log: str) -> list[tuple[str, str]]:
+    """(task name, its deck's HTML file) of each task run, in order, from the INFO lines of a local run (rich wraps them
+    anywhere: read without spaces)."""
+    return re.findall(r"-(\w+?)taskcreatesflytedeckhtmltofile://(\S+?deck\.html)", "".join(log.split()))
+
+
 def decks(log: str) -> dict[str, str]:
-    """{task name: its last deck's HTML} from the INFO lines of a local run (rich wraps them anywhere: read without spaces)."""
-    found = re.findall(r"-(\w+?)taskcreatesflytedeckhtmltofile://(\S+?deck\.html)", "".join(log.split()))
-    return {task: open(path, encoding="utf-8").read() for task, path in found}
+    """{task name: its last deck's HTML} of a local run's log."""
+    return {task: open(path, encoding="utf-8").read() for task, path in deck_files(log)}
 
 
 def final_policy(root: Path) -> Path:

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from miles_core.batch_io import read_batch
 from miles_core.models.source import checkpoint_digest, read_source
 from miles_core.storage import sha256_file
 from miles_core.weights.publish import weights_sha256
-from tests.conftest import REPO, decks, final_policy, run_workflow, workflow_command, workflow_env
+from tests.conftest import REPO, deck_files, decks, final_policy, run_workflow, workflow_command, workflow_env
 
 pytestmark = pytest.mark.flyte
 
@@ -54,6 +55,15 @@ def test_each_tasks_decks_are_rendered_once(smoke_run):
     made, not those it inherited (flytekit's Elastic plugin appends every deck rank 0 returns)."""
     _, out = smoke_run
     assert decks(out.stdout + out.stderr)["train"].count("sample responses:") == 1
+
+
+def test_a_tasks_deck_holds_its_own_run_only(smoke_run):
+    """A score deck holds that task's own content: from the second iteration on (whose inputs carry a trained policy's
+    metrics) it is about the size of the one before (flytekit's timeline deck, one per process in a local run, once
+    listed the phases of every task run before it: the third 9% larger than the second)."""
+    _, out = smoke_run
+    sizes = [Path(path).stat().st_size for task, path in deck_files(out.stdout + out.stderr) if task == "score"]
+    assert len(sizes) == 3 and sizes[2] < 1.02 * sizes[1], sizes
 
 
 def test_every_published_policy_is_a_registered_version_that_loads_back(smoke_run, tmp_path):
