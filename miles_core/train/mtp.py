@@ -70,9 +70,7 @@ class MtpTrainer:
             return None
         head = load_head(source_dir) if has_head(source_dir) else build_head(model.config, cfg.seed)
         trainer = cls(head.to(model.device), cfg)
-        optimizer_file = Path(source_dir) / MTP_OPTIMIZER
-        if optimizer_file.exists():
-            load_optimizer(trainer.optimizer, optimizer_file)
+        load_optimizer(trainer.optimizer, Path(source_dir) / MTP_OPTIMIZER)  # a policy directory's head has none
         return trainer
 
     def train_on(self, model: torch.nn.Module, batch: PackedBatch) -> dict[str, float]:

@@ -8,6 +8,7 @@ written in 6 instead of 8.5), and a large state is mapped from the file instead 
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from safetensors.torch import save_file
 from miles_core.weights.check import CheckpointError
 
 OPTIMIZER = "optimizer.safetensors"  # its name in a checkpoint
+LEGACY = "optimizer.pt"  # its name, as torch.save wrote it, in a checkpoint written before
 
 
 def save_optimizer(optimizer: torch.optim.Optimizer, path: str | Path) -> None:
@@ -31,16 +33,31 @@ def save_optimizer(optimizer: torch.optim.Optimizer, path: str | Path) -> None:
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, path: str | Path) -> None:
-    """The state of `path` into `optimizer` (moved to its parameters' device); CheckpointError naming the file where it
-    does not read or does not fit the optimizer's parameters."""
+    """The state saved at `path` into `optimizer` (moved to its parameters' device); CheckpointError naming the file
+    where it does not read or does not fit the optimizer's parameters. A checkpoint written before the state was kept as
+    safetensors holds it as LEGACY beside (torch.save), read as it is; with neither, the optimizer is left as it is (a
+    freshly converted checkpoint has no state yet)."""
+    path = Path(path)
+    legacy = path.with_name(LEGACY)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            groups = json.loads(f.metadata()["param_groups"])
-            state: dict[int, dict[str, torch.Tensor]] = {}
-            for name in f.keys():  # noqa: SIM118 - safe_open is no mapping
-                index, key = name.split(".", 1)
-                state.setdefault(int(index), {})[key] = f.get_tensor(name)
-        groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in group.items()} for group in groups]  # JSON has no tuples
+        if path.exists():
+            state, groups = _read(path)
+        elif legacy.exists():
+            path = legacy
+            saved = torch.load(legacy, map_location="cpu", weights_only=True)
+            state, groups = saved["state"], saved["param_groups"]
+        else:
+            return
         optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except (SafetensorError, OSError, KeyError, TypeError, ValueError, AttributeError) as err:
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError, AttributeError, pickle.UnpicklingError) as err:
         raise CheckpointError(f"{path}: not the optimizer state of this model ({type(err).__name__}: {str(err)[:200]})") from None
+
+
+def _read(path: Path) -> tuple[dict[int, dict[str, torch.Tensor]], list[dict]]:
+    with safe_open(str(path), framework="pt") as f:
+        groups = json.loads(f.metadata()["param_groups"])
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for name in f.keys():  # noqa: SIM118 - safe_open is no mapping
+            index, key = name.split(".", 1)
+            state.setdefault(int(index), {})[key] = f.get_tensor(name)
+    return state, [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in group.items()} for group in groups]  # JSON has no tuples

@@ -133,9 +133,7 @@ class TorchTrainer(TrainerBase):
         trainer.mtp = MtpTrainer.for_policy(trainer.model, ckpt_dir, cfg)
         if weights_only:
             return trainer
-        optim_file = Path(ckpt_dir) / OPTIMIZER
-        if optim_file.exists():  # a freshly converted checkpoint has no optimizer state yet
-            load_optimizer(trainer.optimizer, optim_file)
+        load_optimizer(trainer.optimizer, Path(ckpt_dir) / OPTIMIZER)  # a freshly converted checkpoint has none yet
         torch.set_rng_state(torch.load(Path(ckpt_dir) / "rng.pt", weights_only=True))
         return trainer
 

@@ -53,3 +53,20 @@ def test_a_file_that_is_not_this_optimizers_state_is_refused_naming_it(tmp_path)
     path.write_bytes(path.read_bytes()[:100])  # cut short
     with pytest.raises(CheckpointError, match=f"{path}: not the optimizer state"):
         load_optimizer(optimizer, path)
+
+
+def test_a_checkpoint_written_before_holds_the_state_as_torch_saved_it_and_it_is_read(tmp_path):
+    """A run resumed across the change of format keeps its optimizer's moments: optimizer.pt, read where no
+    optimizer.safetensors is; with neither (a converted checkpoint), the optimizer is left as it was."""
+    model, optimizer = trained()
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    resumed = torch.optim.AdamW(model.parameters(), lr=1.0)
+    load_optimizer(resumed, tmp_path / "optimizer.safetensors")
+    assert resumed.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+    assert all(torch.equal(resumed.state[p]["exp_avg"], optimizer.state[p]["exp_avg"]) for p in model.parameters())
+    fresh = torch.optim.AdamW(model.parameters(), lr=1.0)
+    load_optimizer(fresh, tmp_path / "empty" / "optimizer.safetensors")
+    assert not fresh.state and fresh.param_groups[0]["lr"] == 1.0
+    (tmp_path / "optimizer.pt").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match="optimizer.pt: not the optimizer state"):
+        load_optimizer(fresh, tmp_path / "optimizer.safetensors")
