@@ -9,6 +9,7 @@ is the published directory itself: the weights are stored once, and `load_policy
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -179,20 +180,13 @@ def _found(client, name: str, **tags: object):
     return sorted(client.search_model_versions(query), key=lambda found: int(found.version))
 
 
-_REGISTRIES: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}  # (uri, run_id) -> what _registry_of read
-
-
-def _registry_of(uri: str, run_id: str) -> tuple[str, dict[str, str]]:
-    """The registered model of a run's policies and the run's lineage tags (RUN_LINEAGE), which the start_run task set
-    once: read once per process (a run of many iterations registers one policy an iteration)."""
-    key = (uri, run_id)
-    if key not in _REGISTRIES:
-        client = _client(uri)
-        run = client.get_run(run_id)
-        lineage = {k: run.data.tags[k] for k in RUN_LINEAGE if k in run.data.tags}
-        _REGISTRIES[key] = policy_model(client.get_experiment(run.info.experiment_id).name), lineage
-    name, lineage = _REGISTRIES[key]
-    return name, dict(lineage)
+@functools.cache
+def _registry_of(uri: str, run_id: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """The registered model of a run's policies and the run's lineage tags (RUN_LINEAGE, as (key, value) pairs), which
+    the start_run task set once: read once per process (a run of many iterations registers one policy an iteration)."""
+    client = _client(uri)
+    run = client.get_run(run_id)
+    return policy_model(client.get_experiment(run.info.experiment_id).name), tuple((k, run.data.tags[k]) for k in RUN_LINEAGE if k in run.data.tags)
 
 
 def _new_version(client, name: str, source: str, run_id: str, tags: dict[str, str], description: str):
@@ -200,8 +194,9 @@ def _new_version(client, name: str, source: str, run_id: str, tags: dict[str, st
     experiment's first policy: another run of the experiment may create it meanwhile)."""
     from mlflow.exceptions import MlflowException  # heavy import, only where tracking happens
 
+    create = functools.partial(client.create_model_version, name, source, run_id=run_id, tags=tags, description=description)
     try:
-        return client.create_model_version(name, source, run_id=run_id, tags=tags, description=description)
+        return create()
     except MlflowException as error:
         if error.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
@@ -210,7 +205,7 @@ def _new_version(client, name: str, source: str, run_id: str, tags: dict[str, st
     except MlflowException as error:
         if error.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    return client.create_model_version(name, source, run_id=run_id, tags=tags, description=description)
+    return create()
 
 
 def register_policy(uri: str, run_id: str, policy_uri: str, manifest: dict, iteration: int):
@@ -234,7 +229,7 @@ def register_policy(uri: str, run_id: str, policy_uri: str, manifest: dict, iter
             "parent_version": "" if parent is None else parent,
             "weights_sha256": manifest["weights_sha256"],
             "policy_dir": policy_uri,
-        } | lineage
+        } | dict(lineage)
         about = f"policy v{manifest['version']} after iteration {iteration} of run {run_id}"
         return _new_version(client, name, policy_uri, run_id, {k: str(v) for k, v in tags.items()}, about)
     except (MlflowException, OSError) as error:
