@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import importlib
 import os
+from collections.abc import Callable
 
 from flytekit import task
 from flytekit.core.base_task import TaskResolverMixin
@@ -32,17 +33,25 @@ from miles_core.config import ClusterConfig
 from miles_core.rollout.engines.sglang_server import free_port
 
 _TASK_ARGS: dict[str, dict] = {}  # "module.function" -> the @task arguments it was defined with
+_PRELOADS: dict[str, Callable] = {}  # "module.function" -> what its agent loads before forking workers
 
 
-def resizable_task(**task_args):
+def resizable_task(preload: Callable | None = None, **task_args):
     """@task(**task_args) for a task that `redefined` can define again with another task_config (`sized`: an Elastic
-    task's nnodes and nproc_per_node)."""
+    task's nnodes and nproc_per_node). `preload(**inputs)`: called in the process a one-node variant forks its workers
+    from, just before it does, to load there once what each worker would otherwise load again (`OneNodeElasticTask`)."""
 
     def define(fn):
-        _TASK_ARGS[f"{fn.__module__}.{fn.__name__}"] = task_args
+        _TASK_ARGS[_key(fn)] = task_args
+        if preload is not None:
+            _PRELOADS[_key(fn)] = preload
         return task(**task_args)(fn)
 
     return define
+
+
+def _key(fn) -> str:
+    return f"{fn.__module__}.{fn.__name__}"
 
 
 @functools.cache
@@ -68,7 +77,7 @@ def sized(base, nnodes: int, nproc_per_node: int, max_restarts: int = 0, rdzv_ti
 def redefined(base, **changes):
     """The task `base` (defined by `resizable_task`) defined again with `changes` to its @task arguments."""
     fn = base.task_function
-    args = _TASK_ARGS[f"{fn.__module__}.{fn.__name__}"]
+    args = _TASK_ARGS[_key(fn)]
     outside = FlyteContextManager.current_context().with_compilation_state(None)  # defined inside a workflow, it would take its resolver
     with FlyteContextManager.with_context(outside):
         variant = task(**{**args, **changes})(fn)
@@ -125,13 +134,17 @@ class OneNodeElasticTask(PytorchElasticFunctionTask):
     with a stack inspection (about 0.25 s of every such task: the train and the publish task of every iteration). Its
     workers find each other through the agent's store as before. The compiled spec is the plugin's for one node (a
     plain pod, no PyTorchJob): the rendezvous is chosen where the task runs. The port is picked just before the agent
-    binds it (on a cluster the pod's own; locally another process would have to take that port in between)."""
+    binds it (on a cluster the pod's own; locally another process would have to take that port in between). The
+    task's `preload` (`resizable_task`) runs first: the workers fork with what it loaded."""
 
     def __init__(self, task_config: OneNode, task_function, **kwargs):
         super().__init__(dataclasses.replace(task_config, rdzv_configs={**task_config.rdzv_configs, "rank": 0}), task_function, **kwargs)
         self.rdzv_backend = "static"  # the plugin's launch reads it; set to c10d by its __init__
 
     def execute(self, **kwargs):
+        preload = _PRELOADS.get(_key(self.task_function))
+        if preload is not None:
+            preload(**kwargs)
         before = os.environ.get("PET_RDZV_ENDPOINT")
         os.environ["PET_RDZV_ENDPOINT"] = f"127.0.0.1:{free_port()}"  # where the plugin's launch reads the endpoint
         try:

@@ -50,7 +50,7 @@ from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine, weight_update_metrics
 from miles_core.step import bind, groups_of, rollout_seed, score_batch, scorer_of
 from miles_core.storage import atomic_dir
-from miles_core.train.backends import convert_checkpoint, export_policy, train_checkpoint
+from miles_core.train.backends import convert_checkpoint, export_policy, preload, train_checkpoint
 from tasks.common import (
     BatchResult,
     Checkpoint,
@@ -110,7 +110,13 @@ def _read_prompts(path: str, size: int, mtime_ns: int, keys: tuple[str, str, str
     return tuple(load_prompts(path, *keys))  # size and mtime_ns: a file changed in place is read again
 
 
-@resizable_task(**cached(cache_version(TrainConfig, AlgoConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("convert"))
+@resizable_task(
+    lambda cfg, **_: preload(cfg),
+    **cached(cache_version(TrainConfig, AlgoConfig, module=__name__)),
+    container_image=cpu_image,
+    task_config=ONE_PROCESS,
+    **declared("convert"),
+)
 @recoverable
 def convert(cfg: TrainConfig, algo: AlgoConfig, policy: Policy, root: str) -> Checkpoint:
     """Base HF checkpoint -> the backend's checkpoint format (megatron: torch_dist, reshardable), and a fresh critic for PPO."""
@@ -168,6 +174,7 @@ def score(
 
 
 @resizable_task(
+    lambda cfg, **_: preload(cfg),
     **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, HealthConfig, DebugConfig, DistillConfig, module=__name__)),
     container_image=cpu_image,
     **DECKS,
@@ -210,7 +217,13 @@ def train(
     return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics, dump=dump)
 
 
-@resizable_task(**cached(cache_version(PublishConfig, TrainConfig, module=__name__)), container_image=cpu_image, task_config=ONE_PROCESS, **declared("publish"))
+@resizable_task(
+    lambda train_cfg, **_: preload(train_cfg),
+    **cached(cache_version(PublishConfig, TrainConfig, module=__name__)),
+    container_image=cpu_image,
+    task_config=ONE_PROCESS,
+    **declared("publish"),
+)
 @recoverable
 def publish(cfg: PublishConfig, train_cfg: TrainConfig, ckpt: Checkpoint, parent: Policy, root: str) -> Policy:
     """Export the checkpoint (any parallel sizes) as the next policy version (HF safetensors + lineage manifest); with

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from miles_core.config import AlgoConfig, LoraConfig, PublishConfig, TrainConfig
@@ -32,6 +33,17 @@ def _backend(cfg: TrainConfig):
 
         return MegatronTrainer
     return TorchTrainer
+
+
+def preload(cfg: TrainConfig) -> None:
+    """Loads what a worker of the backend imports, in the process its workers fork from (tasks/elastic.py): megatron-core
+    and its CPU redirections, ~3 s of every forked worker on this CPU otherwise (its import compiles fused kernels'
+    wrappers). Only with a CPU build of torch: a CUDA build's agent leaves megatron's imports, and any CUDA set-up they
+    may do, to its workers, since CUDA does not survive a fork."""
+    if cfg.backend == "megatron" and not torch.backends.cuda.is_built():
+        from miles_core.train.megatron import cpu_compat, trainer  # noqa: F401 (imported for the workers)
+
+        cpu_compat.activate()
 
 
 def make_trainer(cfg: TrainConfig, policy_dir: str) -> Trainer:
