@@ -21,8 +21,8 @@ from transformers import AutoTokenizer
 from miles_core.config import DistillConfig, RolloutConfig, TrainConfig
 from miles_core.models.source import admit
 from miles_core.samples import Sample
-from miles_core.train.base import pack
-from miles_core.train.torch_backend import TorchTrainer
+from miles_core.train.backends import make_trainer
+from miles_core.train.base import Trainer, pack
 from miles_core.weights.check import CheckpointError
 
 
@@ -42,12 +42,12 @@ def admit_teacher(teacher_dir: str, policy_dir: str, teacher_name: str, policy_n
         )
 
 
-def load_teacher(cfg: DistillConfig, teacher_dir: str) -> TorchTrainer:
+def load_teacher(cfg: DistillConfig, teacher_dir: str) -> Trainer:
     """The teacher as a frozen torch model (only its `logprobs` are used), in cfg.dtype, cfg.micro_batch_size sequences a pass."""
-    return TorchTrainer.from_hf(teacher_dir, TrainConfig(micro_batch_size=cfg.micro_batch_size, dtype=cfg.dtype))
+    return make_trainer(TrainConfig(micro_batch_size=cfg.micro_batch_size, dtype=cfg.dtype), teacher_dir)
 
 
-def score_with_teacher(teacher: TorchTrainer, samples: list[Sample], pad_id: int, temperature: float) -> dict[str, float]:
+def score_with_teacher(teacher: Trainer, samples: list[Sample], pad_id: int, temperature: float) -> dict[str, float]:
     """Fill each sample's teacher_logprobs (one per response token) with the teacher's log-prob of the token at
     `temperature` (the rollout's, as the student's are taken); returns the stage's metrics."""
     started = time.perf_counter()

@@ -31,7 +31,7 @@ def _peft_model(hf_dir: Path, adapter: dict[str, torch.Tensor]):
     """The HF policy with the adapter applied by PEFT."""
     import peft
 
-    from miles_core.models import load_causal_lm
+    from miles_core.models.loading import load_causal_lm
 
     model = peft.get_peft_model(load_causal_lm(str(hf_dir), torch.float32), peft.LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, target_modules="all-linear"))
     assert not peft.set_peft_model_state_dict(model, adapter).unexpected_keys

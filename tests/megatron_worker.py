@@ -187,7 +187,7 @@ def convert_one(root: Path, arch: str) -> dict:
 
     from miles_core.checkpoint.hf_megatron import text_weights
     from miles_core.checkpoint.torch_dist import hf_to_torch_dist, load_megatron_model, torch_dist_to_hf
-    from miles_core.models import load_causal_lm
+    from miles_core.models.loading import load_causal_lm
 
     if arch in BUILT_HERE:
         _tiny_built_here(arch, root / "hf")

@@ -8,7 +8,7 @@ chunked attention and NoPE layers, hybrid linear attention (Gated DeltaNet, KDA,
 hyper-connections, compressed attention.  Lengths shrink with the model (sliding window 8,
 compression every 4/8 tokens, indexer top-16) so short test sequences reach those paths.
 A vision-language family is saved as its full multimodal checkpoint with a one-block vision tower
-(miles_core/models/multimodal.py), as a user would hold it; `miles_core.models.load_causal_lm` gives
+(miles_core/models/multimodal.py), as a user would hold it; `miles_core.models.loading.load_causal_lm` gives
 its text causal LM to the trainer and the rollout engine.  `model.arch` values and the layers each
 family needs are in miles_core/config/model.py.
 

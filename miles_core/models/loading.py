@@ -27,16 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from transformers.core_model_loading import revert_weight_conversion  # what save_pretrained applies (transformers 5)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from miles_core.models import is_multimodal, text_config
 from miles_core.weights.quantize import dequantized_copy, quantization_format
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The config of the model's text decoder (the config itself for a text-only model)."""
-    return config.get_text_config(decoder=True)
-
-
-def is_multimodal(config: PretrainedConfig) -> bool:
-    return text_config(config) is not config
 
 
 def text_causal_lm_class(config: PretrainedConfig) -> type | None:

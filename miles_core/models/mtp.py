@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from miles_core.models.loading import text_config
+from miles_core.models import text_config
 
 # in a folder of their own: tools that load every *.safetensors of a policy directory (SGLang, weights_sha256) skip it
 MTP_DIR, MTP_WEIGHTS, MTP_CONFIG = "mtp", "mtp.safetensors", "mtp.json"

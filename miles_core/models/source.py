@@ -26,7 +26,6 @@ from pathlib import Path
 from miles_core.config import ConfigError, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.config.model import URI_SCHEMES
 from miles_core.config.rules import check_parallel_fit
-from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.engines.sglang_families import CPU_REFUSALS
 from miles_core.storage import atomic_dir
 from miles_core.weights.check import CheckpointError, check_hf_dir, json_object
@@ -55,6 +54,8 @@ def fetch_base(cfg: ModelConfig, out: str | Path, download: Callable[[str, str],
     `key` names the config key the path came from in an error (the distillation teacher's is distill.teacher)."""
     with atomic_dir(out) as tmp:
         if not cfg.path:
+            from miles_core.models.tiny import build_tiny_model  # imported where used: it loads torch and model classes
+
             build_tiny_model(cfg, str(tmp))
         elif is_uri(cfg.path):
             download(cfg.path, str(tmp))

@@ -7,7 +7,8 @@ checkpoint (`make_trainer`), convert an HF checkpoint into the backend's own for
 model whichever backend trains the policy; on megatron every rank holds a replica and trains it
 on the whole batch alike.
 
-megatron-core is imported only when the megatron backend is asked for (an optional library).
+Each backend's module is imported only when it is asked for (`_backend`): megatron-core is an optional library, and the
+torch backend brings transformers' model classes, which a task that trains nothing need not load.
 """
 
 from __future__ import annotations
@@ -22,17 +23,27 @@ from miles_core.config import AlgoConfig, LoraConfig, PublishConfig, TrainConfig
 from miles_core.samples import Sample
 from miles_core.step import StepFns, train_step
 from miles_core.train.base import Trainer
-from miles_core.train.torch_backend import TorchCritic, TorchTrainer
 from miles_core.weights.check import check_hf_dir
 from miles_core.weights.publish import HfCheckpoint, copy_tokenizer, publish
 
 
-def _backend(cfg: TrainConfig):
+def _backend(cfg: TrainConfig) -> type[Trainer]:
+    """The trainer class of `cfg.backend`, imported where used: megatron-core is optional, and the torch backend loads
+    transformers' model classes, seconds of the start-up of a task that imports this module and trains nothing."""
     if cfg.backend == "megatron":
-        from miles_core.train.megatron.trainer import MegatronTrainer  # optional backend: imported where used
+        from miles_core.train.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer
+    from miles_core.train.torch_backend import TorchTrainer
+
     return TorchTrainer
+
+
+def _critic() -> type[Trainer]:
+    """PPO's critic, a torch model whichever backend trains the policy (imported where used, as `_backend`)."""
+    from miles_core.train.torch_backend import TorchCritic
+
+    return TorchCritic
 
 
 def preload(cfg: TrainConfig) -> None:
@@ -68,7 +79,7 @@ def convert_checkpoint(cfg: TrainConfig, algo: AlgoConfig, policy_dir: str, out_
 
         hf_to_torch_dist(policy_dir, out_dir, cfg.seed)
     else:
-        TorchTrainer.from_hf(policy_dir, cfg, device="cpu").save(str(out_dir))
+        _backend(cfg).from_hf(policy_dir, cfg, device="cpu").save(str(out_dir))
     new_critic(algo, cfg, policy_dir, out_dir)
     copy_tokenizer(policy_dir, out_dir)
 
@@ -91,7 +102,7 @@ def export_policy(
 
         trainer = TorchDistCheckpoint(ckpt_dir)
     elif cfg.lora.rank:
-        trainer = TorchTrainer.load(ckpt_dir, cfg, base_dir, device="cpu", weights_only=True)
+        trainer = _backend(cfg).load(ckpt_dir, cfg, base_dir, device="cpu", weights_only=True)
     else:
         trainer = HfCheckpoint(ckpt_dir)
     adapter = (cfg.lora, base_dir) if cfg.lora.rank else None
@@ -135,9 +146,9 @@ def _critic_cfg(algo: AlgoConfig, cfg: TrainConfig) -> TrainConfig:
 def new_critic(algo: AlgoConfig, cfg: TrainConfig, policy_dir: str, ckpt_dir) -> None:
     """PPO: a fresh critic (the policy's transformer with a value head) saved beside a new checkpoint."""
     if algo.advantage == "ppo":
-        TorchCritic.from_hf(policy_dir, _critic_cfg(algo, cfg), device="cpu").save(str(Path(ckpt_dir) / "critic"))
+        _critic().from_hf(policy_dir, _critic_cfg(algo, cfg), device="cpu").save(str(Path(ckpt_dir) / "critic"))
 
 
-def load_critic(algo: AlgoConfig, cfg: TrainConfig, ckpt_dir: str) -> TorchCritic | None:
+def load_critic(algo: AlgoConfig, cfg: TrainConfig, ckpt_dir: str) -> Trainer | None:
     """The critic saved beside a checkpoint (PPO), else None."""
-    return TorchCritic.load(str(Path(ckpt_dir) / "critic"), _critic_cfg(algo, cfg)) if algo.advantage == "ppo" else None
+    return _critic().load(str(Path(ckpt_dir) / "critic"), _critic_cfg(algo, cfg)) if algo.advantage == "ppo" else None

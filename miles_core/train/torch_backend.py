@@ -1,7 +1,7 @@
 """The torch trainer backend: the HF model itself, AdamW, micro-batches and gradient clipping.
 
 The embedded default: this module supplies the HF model's forward pass (the policy loaded by
-`miles_core.models.load_causal_lm`: any family, a multimodal checkpoint as its text model), the backward pass of a
+`miles_core.models.loading.load_causal_lm`: any family, a multimodal checkpoint as its text model), the backward pass of a
 mini-batch in micro-batches and the clipped AdamW step; the mini-batch loop is `TrainerBase`'s. A pass computes a
 group's prompt once where the family allows it and that costs less (train/prefix.py), and the output head only at the
 positions before response tokens.
@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 from miles_core.algos.kl import entropy_from_logits, token_logprobs
 from miles_core.algos.losses import loss_weights
 from miles_core.config import TrainConfig
-from miles_core.models import load_causal_lm
+from miles_core.models.loading import load_causal_lm
 from miles_core.routing import RouterTaps
 from miles_core.train import prefix
 from miles_core.train.base import LossFn, PackedBatch, TrainerBase, WeightsFn

@@ -2,7 +2,7 @@
 run before any compute loads it: config.json is a JSON object transformers knows, every weight file
 is a whole safetensors file, every tensor the model declares is there with its shape and a floating
 dtype, and the tokenizer files (when asked for) parse.  The tensors are those that
-`miles_core.models.load_causal_lm` reads, named as `save_pretrained` writes them (per-expert MoE
+`miles_core.models.loading.load_causal_lm` reads, named as `save_pretrained` writes them (per-expert MoE
 tensors, original prefixes): a multimodal checkpoint is checked for its language model.  Each refusal
 is one short CheckpointError naming the file and the key or tensor; transformers' own errors would
 come later, longer, or never (a missing tensor is silently initialised at random)."""

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from miles_core.config import ConfigError
 from miles_core.config.model import MODEL_ARCHS
-from miles_core.models import load_causal_lm
+from miles_core.models import is_multimodal, text_config
 from miles_core.models.families import FAMILIES as TABLE
-from miles_core.models.loading import expected_tensors, is_multimodal, text_config
+from miles_core.models.loading import expected_tensors, load_causal_lm
 from miles_core.models.tiny import build_tiny_model
 from miles_core.weights.check import CheckpointError, check_hf_dir
 from tests.families.conftest import FAMILIES, tiny_config

@@ -20,7 +20,7 @@ import transformers
 from miles_core.config import AlgoConfig, RolloutConfig, TrainConfig
 from miles_core.config.model import DENSE_ARCHS
 from miles_core.data.source import Prompt
-from miles_core.models.loading import is_multimodal
+from miles_core.models import is_multimodal
 from miles_core.rollout.engines import make_engine
 from miles_core.routing import moe_sizes
 from miles_core.step import bind, generate, sampling_params, train_step

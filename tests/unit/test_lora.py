@@ -14,7 +14,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from miles_core.config import LoraConfig, ModelConfig, TrainConfig
-from miles_core.models import load_causal_lm
+from miles_core.models.loading import load_causal_lm
 from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engines.torch_engine import TorchEngine

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
-from miles_core.models.loading import is_multimodal, text_config
+from miles_core.models import is_multimodal, text_config
 from miles_core.models.mtp import MtpHead, build_head, final_norm, has_head, load_head
 
 DRAFT_ARCHITECTURE = "MiMoMTP"  # SGLang's model class of the draft (registered by sglang/srt/models/mimo_mtp.py)

@@ -16,7 +16,7 @@ Departs from plain `model.generate` where it measured faster on this 2-core CPU 
   recipe's policy); the rollout and evaluate tasks ask for their process's engine (`make_engine(shared=True)`), so
   in a local run every policy after the first loads so.
 Greedy decoding is argmax over the same logits and matches `model.generate(do_sample=False)`.
-Any HF directory loads through `miles_core.models.load_causal_lm` (a multimodal checkpoint as its text
+Any HF directory loads through `miles_core.models.loading.load_causal_lm` (a multimodal checkpoint as its text
 model).  Prompts are left-padded to decode together; a model whose attention is not invariant to
 left padding (DeepSeek-V4's compressor, miles_core/models/families.py) is decoded in batches of
 prompts of one length instead, so each row decodes as it would alone.
@@ -51,8 +51,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from miles_core.models import load_causal_lm
 from miles_core.models.families import needs_equal_length_batches
+from miles_core.models.loading import load_causal_lm
 from miles_core.models.mtp import has_head, load_head
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from miles_core.rollout.sampling import sample_next_tokens
