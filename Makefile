@@ -45,7 +45,7 @@ test-fast: setup
 test-twins: setup
 	$(PY) -m pytest -q -m twins tests/flyte/test_twins.py
 
-# The slower tier kept out of `make test` for its 30 minutes here (together about 12 minutes on 2 cores): each algorithm
+# The slower tier kept out of `make test` for its 30 minutes here (together about 6.5 minutes on 2 cores): each algorithm
 # family's recipe through a real pyflyte run at smoke size (their arithmetic is in tests/unit/test_algos*.py), and
 # megatron-core at TP/PP/EP sizes with resharding and each MLA/MoE family's step (tests/integration/test_megatron_parallel.py).
 test-slow: setup
