@@ -48,9 +48,9 @@ def _critic() -> type[Trainer]:
 
 def preload(cfg: TrainConfig) -> None:
     """Loads what a worker of the backend imports, in the process its workers fork from (tasks/elastic.py): megatron-core
-    and its CPU redirections, ~3 s of every forked worker on this CPU otherwise (its import compiles fused kernels'
-    wrappers). Only with a CPU build of torch: a CUDA build's agent leaves megatron's imports, and any CUDA set-up they
-    may do, to its workers, since CUDA does not survive a fork."""
+    and its CPU redirections, which every forked worker would otherwise import again (seconds each on a CPU: its import
+    sets up torch.compile for its fused kernels). Only with a CPU build of torch: a CUDA build's agent leaves megatron's
+    imports, and any CUDA set-up they may do, to its workers, since CUDA does not survive a fork."""
     if cfg.backend == "megatron" and not torch.backends.cuda.is_built():
         from miles_core.train.megatron import cpu_compat, trainer  # noqa: F401 (imported for the workers)
 
