@@ -42,12 +42,12 @@ def moe_sizes(config) -> tuple[int, int]:
 
 
 def moe_layer_ids(config) -> list[int]:
-    """The decoder layers with routed experts of a transformers text config, as transformers builds the model (on the
-    meta device: no weights): how an SGLang server's per-layer record [positions, all layers, k] maps to this layout."""
-    from transformers import AutoModelForCausalLM
+    """The decoder layers with routed experts of a checkpoint's transformers config (a multimodal one's language model),
+    as `load_causal_lm` builds the model (on the meta device: no weights): how an SGLang server's per-layer record
+    [positions, all layers, k] maps to this layout."""
+    from miles_core.models.loading import meta_model  # transformers' model classes: loaded where a layout is asked for
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(config)
     blocks = [name for name, m in model.named_modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)]
     return sorted({int(re.search(r"layers\.(\d+)\.", f"{name}.").group(1)) for name in blocks})
 

@@ -86,11 +86,17 @@ def load_causal_lm(model_dir: str, dtype: torch.dtype = torch.float32) -> PreTra
     return _text_model(full, causal_lm) if causal_lm is not None else _freeze_outside_language(full)
 
 
+def meta_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The model `load_causal_lm` loads a checkpoint of this config into (a multimodal one's whole model), built on the
+    meta device: its modules and shapes without memory."""
+    with torch.device("meta"):
+        return (AutoModelForImageTextToText if is_multimodal(config) else AutoModelForCausalLM).from_config(config)
+
+
 def expected_tensors(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """name -> shape of every parameter `load_causal_lm` reads from a checkpoint with this config, named as
     `save_pretrained` writes them.  Built on the meta device (no memory); tied weights appear once."""
-    with torch.device("meta"):
-        model = (AutoModelForImageTextToText if is_multimodal(config) else AutoModelForCausalLM).from_config(config)
+    model = meta_model(config)
     params = dict(model.named_parameters())
     if is_multimodal(config) and text_causal_lm_class(config) is not None:  # the vision tower is not read
         prefixes = language_prefixes(model)

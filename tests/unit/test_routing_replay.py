@@ -8,14 +8,16 @@ import dataclasses
 import pyarrow.parquet as pq
 import pytest
 import torch
+import transformers
 
 from miles_core.batch_io import read_batch, write_batch
 from miles_core.config import HealthConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles_core.health import HealthGateTripped
+from miles_core.models.loading import load_causal_lm
 from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engines.torch_engine import TorchEngine
-from miles_core.routing import RouterTaps
+from miles_core.routing import RouterTaps, moe_layer_ids
 from miles_core.samples import Sample
 from miles_core.schemas import BatchError
 from miles_core.step import bind, train_step
@@ -138,3 +140,15 @@ def test_the_batch_schema_refuses_malformed_routing_naming_row_and_check(models,
     samples[3] = dataclasses.replace(samples[3], routed_experts=routing(samples[3]))
     with pytest.raises(BatchError, match=rf"routed_experts.*check '{check}' failed at rows \[3\]"):
         write_batch(samples, str(tmp_path / "bad.parquet"))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama4", "kimi_k25", "glm5_next"])
+def test_the_layout_of_a_servers_routing_record_is_the_loaded_models_moe_layers(arch, tmp_path):
+    """`moe_layer_ids` (how an SGLang server's record of every layer maps to the trainer's routed layers) from a
+    checkpoint's config names the decoder layers with routed experts of the model `load_causal_lm` loads: interleaved
+    ones (llama4), a multimodal checkpoint's language model, one whose text config has no causal LM class (glm5_next)."""
+    build_tiny_model(ModelConfig(arch=arch), str(tmp_path))
+    decoder = load_causal_lm(str(tmp_path)).get_decoder()
+    layers = decoder.layers if hasattr(decoder, "layers") else decoder.model.layers  # Llama 4's decoder: a causal LM
+    routed = [i for i, layer in enumerate(layers) if any(isinstance(getattr(m, "experts", None), torch.nn.Module) for m in layer.modules())]
+    assert moe_layer_ids(transformers.AutoConfig.from_pretrained(tmp_path)) == routed != []

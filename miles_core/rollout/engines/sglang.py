@@ -49,6 +49,7 @@ import numpy as np
 from transformers import AutoConfig
 
 from miles_core.config import SGLangConfig
+from miles_core.models import text_config
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from miles_core.rollout.engines.sglang_draft import speculative_launch_args, write_draft
 from miles_core.rollout.engines.sglang_server import ServerUnreachable, SGLangError, SGLangServer, address_toward, free_port
@@ -381,8 +382,8 @@ def _read_tensors(policy_dir: str):
 
 
 def _routing_layout(policy_dir: str) -> tuple[list[int], int, int]:
-    config = AutoConfig.from_pretrained(policy_dir).get_text_config(decoder=True)
-    layers = moe_layer_ids(config)
+    full = AutoConfig.from_pretrained(policy_dir)
+    config, layers = text_config(full), moe_layer_ids(full)
     if not layers:
         raise ValueError(f"routing replay needs a mixture-of-experts model; {policy_dir} has no routed experts")
     return layers, config.num_hidden_layers, moe_sizes(config)[1]
