@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from miles_core.config import DistillConfig, RolloutConfig, TrainConfig
 from miles_core.models.source import admit
 from miles_core.samples import Sample
-from miles_core.train.backends import make_trainer
+from miles_core.train.backends import trainer_class
 from miles_core.train.base import Trainer, pack
 from miles_core.weights.check import CheckpointError
 
@@ -44,7 +44,8 @@ def admit_teacher(teacher_dir: str, policy_dir: str, teacher_name: str, policy_n
 
 def load_teacher(cfg: DistillConfig, teacher_dir: str) -> Trainer:
     """The teacher as a frozen torch model (only its `logprobs` are used), in cfg.dtype, cfg.micro_batch_size sequences a pass."""
-    return make_trainer(TrainConfig(micro_batch_size=cfg.micro_batch_size, dtype=cfg.dtype), teacher_dir)
+    train_cfg = TrainConfig(micro_batch_size=cfg.micro_batch_size, dtype=cfg.dtype)
+    return trainer_class(train_cfg).from_hf(teacher_dir, train_cfg)  # admitted already (admit_teacher): not checked again
 
 
 def score_with_teacher(teacher: Trainer, samples: list[Sample], pad_id: int, temperature: float) -> dict[str, float]:

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from containers.images import cpu_image
 from miles_core.config import DataConfig, SFTConfig
 from miles_core.data.source import load_prompts
-from miles_core.train.backends import make_trainer
+from miles_core.train.backends import trainer_class
 from miles_core.train.sft import demonstrations, run_sft, sft_train_config
 from miles_core.weights.publish import publish
 from tasks.common import Dataset, Policy, cache_version, new_artifact, uploaded_dir, uri_of
@@ -23,7 +23,8 @@ def sft(cfg: SFTConfig, data: DataConfig, base: Policy, dataset: Dataset, root: 
     base_dir = base.dir.download()
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     prompts = load_prompts(dataset.train.download(), data.input_key, data.label_key, data.metadata_key)
-    trainer = make_trainer(sft_train_config(cfg), base_dir)
+    train_cfg = sft_train_config(cfg)
+    trainer = trainer_class(train_cfg).from_hf(base_dir, train_cfg)
     metrics = run_sft(trainer, demonstrations(prompts, tokenizer), cfg, tokenizer.pad_token_id)
     print(f"sft: {cfg.steps} steps, final loss {metrics.get('sft/loss', float('nan')):.4f}")
     out, dest = new_artifact(root, "sft", 0, cfg, uri_of(base.dir), dataset.sha256)

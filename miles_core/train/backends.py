@@ -7,7 +7,7 @@ checkpoint (`make_trainer`), convert an HF checkpoint into the backend's own for
 model whichever backend trains the policy; on megatron every rank holds a replica and trains it
 on the whole batch alike.
 
-Each backend's module is imported only when it is asked for (`_backend`): megatron-core is an optional library, and the
+Each backend's module is imported only when it is asked for (`trainer_class`): megatron-core is an optional library, and the
 torch backend brings transformers' model classes, which a task that trains nothing need not load.
 """
 
@@ -27,7 +27,7 @@ from miles_core.weights.check import check_hf_dir
 from miles_core.weights.publish import HfCheckpoint, copy_tokenizer, publish
 
 
-def _backend(cfg: TrainConfig) -> type[Trainer]:
+def trainer_class(cfg: TrainConfig) -> type[Trainer]:
     """The trainer class of `cfg.backend`, imported where used: megatron-core is optional, and the torch backend loads
     transformers' model classes, seconds of the start-up of a task that imports this module and trains nothing."""
     if cfg.backend == "megatron":
@@ -40,7 +40,7 @@ def _backend(cfg: TrainConfig) -> type[Trainer]:
 
 
 def _critic() -> type[Trainer]:
-    """PPO's critic, a torch model whichever backend trains the policy (imported where used, as `_backend`)."""
+    """PPO's critic, a torch model whichever backend trains the policy (imported where used, as `trainer_class`)."""
     from miles_core.train.torch_backend import TorchCritic
 
     return TorchCritic
@@ -61,13 +61,13 @@ def make_trainer(cfg: TrainConfig, policy_dir: str) -> Trainer:
     """A fresh trainer (no optimizer state) on an HF checkpoint (checked first): the KL reference, the start policy as it
     is, so without LoRA adapters or a draft head whatever train says."""
     check_hf_dir(policy_dir)
-    return _backend(cfg).from_hf(policy_dir, dataclasses.replace(cfg, lora=LoraConfig(), mtp_lr=0.0))
+    return trainer_class(cfg).from_hf(policy_dir, dataclasses.replace(cfg, lora=LoraConfig(), mtp_lr=0.0))
 
 
 def load_trainer(cfg: TrainConfig, ckpt_dir: str, base_dir: str | None = None) -> Trainer:
     """A trainer resumed from the backend's checkpoint (model, optimizer, RNG, step); with train.lora the checkpoint
     holds the adapter alone, loaded onto the base model of base_dir (the reference policy)."""
-    return _backend(cfg).load(ckpt_dir, cfg, base_dir)
+    return trainer_class(cfg).load(ckpt_dir, cfg, base_dir)
 
 
 def convert_checkpoint(cfg: TrainConfig, algo: AlgoConfig, policy_dir: str, out_dir: Path) -> None:
@@ -79,7 +79,7 @@ def convert_checkpoint(cfg: TrainConfig, algo: AlgoConfig, policy_dir: str, out_
 
         hf_to_torch_dist(policy_dir, out_dir, cfg.seed)
     else:
-        _backend(cfg).from_hf(policy_dir, cfg, device="cpu").save(str(out_dir))
+        trainer_class(cfg).from_hf(policy_dir, cfg, device="cpu").save(str(out_dir))
     new_critic(algo, cfg, policy_dir, out_dir)
     copy_tokenizer(policy_dir, out_dir)
 
@@ -102,7 +102,7 @@ def export_policy(
 
         trainer = TorchDistCheckpoint(ckpt_dir)
     elif cfg.lora.rank:
-        trainer = _backend(cfg).load(ckpt_dir, cfg, base_dir, device="cpu", weights_only=True)
+        trainer = trainer_class(cfg).load(ckpt_dir, cfg, base_dir, device="cpu", weights_only=True)
     else:
         trainer = HfCheckpoint(ckpt_dir)
     adapter = (cfg.lora, base_dir) if cfg.lora.rank else None
