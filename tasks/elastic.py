@@ -30,7 +30,7 @@ from flytekitplugins.kfpytorch import Elastic
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 
 from miles_core.config import ClusterConfig
-from miles_core.rollout.engines.sglang_server import free_port
+from miles_core.net import free_port
 
 _TASK_ARGS: dict[str, dict] = {}  # "module.function" -> the @task arguments it was defined with
 _PRELOADS: dict[str, Callable] = {}  # "module.function" -> what its agent loads before forking workers

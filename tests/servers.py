@@ -9,7 +9,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from miles_core.rollout.engines.sglang_server import free_port
+from miles_core.net import free_port
 
 
 @contextlib.contextmanager

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,10 +27,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from miles_core.config import SGLangConfig, TrainConfig
 from miles_core.models.tiny import build_tokenizer
+from miles_core.net import free_port
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from miles_core.rollout.engines import sglang_server
 from miles_core.rollout.engines.sglang import SGLangEngine
 from miles_core.rollout.engines.sglang_draft import write_draft
-from miles_core.rollout.engines.sglang_server import SGLangError, SGLangServer, free_port, sglang_python
+from miles_core.rollout.engines.sglang_server import SGLangError, SGLangServer, sglang_python
 from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.samples import Sample
 from miles_core.train.base import pack
@@ -235,6 +239,26 @@ def test_killed_server_is_restarted_and_rollout_completes(engine, policies):
     assert server.restarts == 1 and server.alive()
     assert greedy_tokens(out) == greedy_tokens(TorchEngine(policies[1], 1).generate(PROMPTS, GREEDY))
     assert {gens[0].weight_version for gens in out} == {1}
+
+
+def test_a_port_bound_by_another_process_first_is_given_up_for_another(policies, monkeypatch, caplog):
+    """The server binds its port only after its engine has started; one taken meanwhile leaves the process up with no
+    HTTP server (it would never become healthy): the launch starts it again on another port."""
+    sglang_env_python()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        first, second = taken.getsockname()[1], free_port()
+        ports = iter([first, second])
+        monkeypatch.setattr(sglang_server, "free_port", lambda: next(ports))
+        with caplog.at_level(logging.WARNING, logger=sglang_server.__name__):
+            server = SGLangServer.launch(SGLangConfig(startup_timeout_s=600), policies[0], 0)
+    try:
+        assert server.url == f"http://127.0.0.1:{second}" and server.alive()
+        assert requests.get(f"{server.url}/model_info", timeout=30).json()["model_path"] == policies[0]
+        assert f"127.0.0.1:{first} was taken before the SGLang server bound it" in caplog.text
+    finally:
+        server.stop()
 
 
 def test_server_that_never_becomes_healthy_fails_within_its_timeout():

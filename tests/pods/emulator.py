@@ -44,7 +44,7 @@ from flytekit.models.core.workflow import Node
 from flytekit.models.dynamic_job import DynamicJobSpec
 from flytekit.tools.translator import get_serializable
 
-from miles_core.rollout.engines.sglang_server import free_port
+from miles_core.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix).resolve()  # the image's Python environment

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,6 +15,7 @@ import pytest
 
 from miles_core.config import RewardConfig
 from miles_core.models.tiny import build_tokenizer
+from miles_core.net import free_port
 from miles_core.rewards import hub
 from miles_core.rewards.math import last_boxed
 from miles_core.rewards.remote import RemotePolicy, RemoteRewardError, RemoteRewardUnavailable, remote_reward
@@ -119,12 +119,6 @@ def reward_server():
     server.server_close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_remote_reward_up(reward_server):
     cfg = RewardConfig(remote_url=reward_server)
     assert hub.by_metadata("prefix\nassistant\n408", "408", {"reward_type": "remote"}, reward_cfg=cfg) == 1.0
@@ -132,7 +126,7 @@ def test_remote_reward_up(reward_server):
 
 
 def test_remote_reward_down_is_a_clear_error():
-    url = f"http://127.0.0.1:{_free_port()}/score"
+    url = f"http://127.0.0.1:{free_port()}/score"
     with pytest.raises(RemoteRewardError, match=f"reward model at {url} is down or dropped the connection .*retries=1"):
         remote_reward(url, "408", "408", {}, RemotePolicy(timeout_s=1.0, retries=1, backoff_s=0.01))
 
@@ -163,7 +157,7 @@ def test_failed_reward_scores_the_fallback_and_is_counted():
         fn="miles_core.rewards.hub:by_metadata",
         min=-1.0,
         fallback=-0.5,
-        remote_url=f"http://127.0.0.1:{_free_port()}/score",
+        remote_url=f"http://127.0.0.1:{free_port()}/score",
         remote_retries=0,
         remote_timeout_s=1.0,
     )
@@ -219,7 +213,7 @@ def test_an_open_circuit_breaker_fails_the_step(fn, metadata):
     tokenizer = build_tokenizer()
     cfg = RewardConfig(
         fn=fn,
-        remote_url=f"http://127.0.0.1:{_free_port()}/score",
+        remote_url=f"http://127.0.0.1:{free_port()}/score",
         remote_retries=0,
         remote_timeout_s=1.0,
         remote_concurrency=1,

@@ -50,9 +50,10 @@ from transformers import AutoConfig
 
 from miles_core.config import SGLangConfig
 from miles_core.models import text_config
+from miles_core.net import address_toward, free_port
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from miles_core.rollout.engines.sglang_draft import speculative_launch_args, write_draft
-from miles_core.rollout.engines.sglang_server import ServerUnreachable, SGLangError, SGLangServer, address_toward, free_port
+from miles_core.rollout.engines.sglang_server import ServerUnreachable, SGLangError, SGLangServer
 from miles_core.routing import moe_layer_ids, moe_sizes
 from miles_core.weights import sync
 from miles_core.weights.adapter import ADAPTER_CONFIG, is_adapter_dir

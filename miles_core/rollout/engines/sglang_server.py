@@ -12,17 +12,16 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 # HTTP client for the servers' REST API; requests ships with the project's environment (flytekit, mlflow).
 import requests
 
 from miles_core.config import SGLangConfig
+from miles_core.net import free_port
 
 SGLANG_VERSION = "0.5.23"  # the version `make sglang-env` installs and the CPU stand-ins are pinned to
 log = logging.getLogger(__name__)
@@ -76,23 +75,8 @@ def launch_args(cfg: SGLangConfig, model_path: str, port: int, weight_version: i
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def address_toward(url: str) -> str:
-    """This machine's address on the route to `url`'s host: where a server there connects back to (loopback for a
-    server on this machine, the pod's address for one in another pod). A UDP connect picks the route and sends nothing."""
-    parts = urlsplit(url)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(parts.hostname or "localhost"), parts.port or 80))
-        return s.getsockname()[0]
-
-
 class SGLangServer:
-    """A launched server (`launch`) or one reached by URL (`attach`); `post`/`get` raise SGLangError."""
+    """A launched server (`launch`) or one reached by URL (`attach`); `post` raises SGLangError."""
 
     def __init__(self, url: str, cfg: SGLangConfig, process: subprocess.Popen | None = None, log_file: Path | None = None):
         self.url = url.rstrip("/")
@@ -111,7 +95,25 @@ class SGLangServer:
 
     @classmethod
     def launch(cls, cfg: SGLangConfig, model_path: str, weight_version: int, slot: int = 0) -> SGLangServer:
-        """Start server number `slot` of this pod (on cuda: GPUs slot x tensor_parallel onwards) and wait until it is healthy."""
+        """Start server number `slot` of this pod (on cuda: GPUs slot x tensor_parallel onwards) and wait until it is
+        healthy; a port another process bound first (the server binds it only after its engine has started) is
+        given up for another, up to three times."""
+        for attempt in range(1, 4):
+            server = cls._start(cfg, model_path, weight_version, slot)
+            try:
+                server.wait_healthy()
+                return server
+            except PortTaken:
+                server.stop()
+                if attempt == 3:
+                    raise
+                log.warning("%s was taken before the SGLang server bound it: starting it again on another port", server.url)
+            except BaseException:
+                server.stop()
+                raise
+
+    @classmethod
+    def _start(cls, cfg: SGLangConfig, model_path: str, weight_version: int, slot: int) -> SGLangServer:
         port = free_port()
         log_file = Path(tempfile.mkdtemp(prefix="sglang-")) / f"server-{port}.log"
         command = [sglang_python(cfg), *launch_args(cfg, model_path, port, weight_version, slot)]
@@ -123,11 +125,6 @@ class SGLangServer:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         server = cls(f"http://127.0.0.1:{port}", cfg, process, log_file)
         server.slot = slot
-        try:
-            server.wait_healthy()
-        except BaseException:
-            server.stop()
-            raise
         return server
 
     @property
@@ -149,9 +146,12 @@ class SGLangServer:
         return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
 
     def wait_healthy(self) -> None:
-        """Poll /health until it answers 200, the process exits, or startup_timeout_s passes."""
+        """Poll /health until it answers 200, the process exits, or startup_timeout_s passes. A launched server that
+        found its port taken raises PortTaken at once: its HTTP server gives up but the process stays."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
+            if self.process is not None and _PORT_TAKEN in self.log_tail().lower():
+                raise PortTaken(f"SGLang server {self.url}: its port was taken (log {self.log_file}):\n{self.log_tail()}")
             if self.process is not None and self.process.poll() is not None:
                 raise SGLangError(
                     f"SGLang server {self.url} exited with code {self.process.returncode} during start-up (log {self.log_file}):\n{self.log_tail()}"
@@ -209,6 +209,13 @@ class SGLangServer:
                     return
             except subprocess.TimeoutExpired:
                 pass
+
+
+class PortTaken(SGLangError):
+    """Another process bound a launched server's port before it did."""
+
+
+_PORT_TAKEN = "address already in use"
 
 
 class ServerUnreachable(SGLangError):

@@ -9,7 +9,6 @@ are optional: used on GPU nodes that have them, never required.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from miles_core.checkpoint import lora_map
 from miles_core.checkpoint.arch import ArchSpec
 from miles_core.config.base import ConfigError
+from miles_core.net import free_port
 from miles_core.train.megatron import arch_config, cpu_compat
 
 
@@ -30,12 +30,6 @@ class Parallel:
     expert: int = 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel(parallel: Parallel, seed: int) -> None:
     """Join (or, in a plain process, create a one-rank) gloo/nccl group and megatron's parallel groups."""
     cpu_compat.activate()
@@ -43,7 +37,7 @@ def init_parallel(parallel: Parallel, seed: int) -> None:
 
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a plain process (convert, publish, tests): a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world = dist.get_world_size()
     model_parallel = parallel.tensor * parallel.pipeline
