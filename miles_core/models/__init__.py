@@ -1,10 +1,17 @@
 """Models: loading any HF checkpoint as a causal LM (loading.py); tiny builders of every supported family
-(tiny.py, families.py, chat_formats.py). The package itself reads configs only: importing it, or a module of it that
-needs no model class, does not load transformers' modeling code (seconds of every task's start-up)."""
+(tiny.py, families.py, chat_formats.py). The package itself reads configs and calls models only: importing it, or a
+module of it that needs no model class, does not load transformers' modeling code (seconds of every task's start-up)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import TYPE_CHECKING
+
 import transformers
+
+if TYPE_CHECKING:
+    import torch
 
 
 def text_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
@@ -19,3 +26,15 @@ def is_multimodal(config: transformers.PretrainedConfig) -> bool:
 def vocab_size(model_dir: str) -> int:
     """The model's vocabulary (its text config's vocab_size: the embedding rows, which may be more than len(tokenizer))."""
     return text_config(transformers.AutoConfig.from_pretrained(model_dir)).vocab_size
+
+
+def with_cache(model: torch.nn.Module, cache) -> dict:
+    """The keyword argument that hands a KV cache to `model`'s forward: `cache`, transformers 5's name for it (the old
+    `past_key_values` warns on every call), where the forward (under a PEFT wrapper, its base model's) takes it."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {_cache_keyword(type(base)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"

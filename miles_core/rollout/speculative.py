@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from miles_core.models import with_cache
 from miles_core.models.mtp import HeadCache, HiddenTap, MtpHead, draft_hidden, head_logits
 from miles_core.rollout.base import Generation, SamplingParams
 from miles_core.rollout.sampling import draw, sample_next_tokens, truncate
@@ -110,7 +111,9 @@ class Speculator:
         """The prompts through the policy; the first token drawn by the ordinary sampler."""
         cache = DynamicCache(config=self.model.config)
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)  # as HF generate
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **with_cache(self.model, cache), use_cache=True, logits_to_keep=1
+        )
         token, logprob = sample_next_tokens(out.logits[:, -1], params, generator)
         pending_next = torch.cat([input_ids[:, 1:], token[:, None]], dim=1)
         return _State(cache, HeadCache(), attention_mask, position_ids[:, -1:], tap.take(), pending_next, position_ids, token), logprob
@@ -141,7 +144,9 @@ class Speculator:
         feed = torch.cat([state.token[:, None], drafts], dim=1)  # [B, k + 1]
         positions = state.last_position + torch.arange(1, k + 2, device=feed.device)  # [B, k + 1]
         mask = torch.cat([state.attention_mask, torch.ones_like(feed)], dim=1)
-        out = self.model(input_ids=feed, attention_mask=mask, position_ids=positions, past_key_values=state.cache, use_cache=True, logits_to_keep=k + 1)
+        out = self.model(
+            input_ids=feed, attention_mask=mask, position_ids=positions, **with_cache(self.model, state.cache), use_cache=True, logits_to_keep=k + 1
+        )
         p, logp = warped_probs(out.logits, params), policy_logprobs(out.logits, params)  # [B, k + 1, V]
         uniform = torch.rand((batch, k), generator=generator).to(feed.device)  # the CPU stream, as `draw`'s
         passed = uniform * _pick(q, drafts) < _pick(p[:, :k], drafts)  # accept w.p. min(1, p/q)

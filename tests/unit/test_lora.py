@@ -14,6 +14,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from miles_core.config import LoraConfig, ModelConfig, TrainConfig
+from miles_core.models import with_cache
 from miles_core.models.loading import load_causal_lm
 from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.base import SamplingParams
@@ -121,6 +122,7 @@ def test_the_engine_serves_the_adapter_unmerged_with_the_trainers_logprobs(train
     base, trainer, ckpt, published = trained
     engine = TorchEngine(str(published), 1, base_dir=base)
     assert isinstance(engine.model, PeftModel) and engine.model.active_adapter == "v1"
+    assert with_cache(engine.model, "kv") == {"cache": "kv"}  # the name its base model's forward takes
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, stop_token_ids=(), seed=3)
     prompts = [[1, 5, 6, 7], [1, 9, 10]]
     generations = engine.generate(prompts, params)

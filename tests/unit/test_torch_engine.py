@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from miles_core.config import RolloutConfig
+from miles_core.models import with_cache
 from miles_core.rollout.base import Generation, RolloutEngine, SamplingParams
 from miles_core.rollout.engines import make_engine
 from miles_core.rollout.engines.torch_engine import OneDnnHead, TorchEngine, sample_next_tokens
@@ -107,6 +109,21 @@ def test_same_seed_same_output_other_seed_differs(engine):
     assert engine.generate(PROMPTS, params) == first
     other = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=10, temperature=1.0, seed=12))
     assert [g.tokens for g in flatten(other)] != [g.tokens for g in flatten(first)]
+
+
+def test_the_kv_cache_goes_to_the_model_by_its_current_name(engine):
+    """transformers 5 renamed a forward's `past_key_values` to `cache` (the old name warns on every decode step); a
+    forward that has no `cache` still gets `past_key_values`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4, temperature=1.0, seed=1))
+
+    class OlderModel(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    assert with_cache(engine.model, "kv") == {"cache": "kv"}
+    assert with_cache(OlderModel(), "kv") == {"past_key_values": "kv"}
 
 
 def test_global_rng_untouched(engine):

@@ -51,6 +51,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
+from miles_core.models import with_cache
 from miles_core.models.families import needs_equal_length_batches
 from miles_core.models.loading import load_causal_lm
 from miles_core.models.mtp import has_head, load_head
@@ -319,7 +320,7 @@ class TorchEngine:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
+            **with_cache(self.model, cache),
             use_cache=True,
             logits_to_keep=1,
         )
