@@ -77,7 +77,12 @@ from tasks.retry import recoverable
 # within it, so it bounds what every Elastic task adds to an iteration's wall time; a poll of a waiting agent costs
 # microseconds
 MONITOR_S = 0.02
-ONE_PROCESS = Elastic(nnodes=1, nproc_per_node=1, start_method="fork", monitor_interval=MONITOR_S)
+
+
+def one_node(nproc_per_node: int) -> Elastic:
+    """Forked workers on one node, polled every MONITOR_S. The pod's /dev/shm (NCCL's and torch multiprocessing's) is
+    the task's `shared_memory`, not the plugin's deprecated pod template (`increase_shared_mem`)."""
+    return Elastic(nnodes=1, nproc_per_node=nproc_per_node, start_method="fork", monitor_interval=MONITOR_S, increase_shared_mem=False)
 
 
 def train_task(cfg: TrainConfig, cluster: ClusterConfig = DEFAULTS):
@@ -114,7 +119,8 @@ def _read_prompts(path: str, size: int, mtime_ns: int, keys: tuple[str, str, str
     lambda cfg, **_: preload(cfg),
     **cached(cache_version(TrainConfig, AlgoConfig, module=__name__)),
     container_image=cpu_image,
-    task_config=ONE_PROCESS,
+    task_config=one_node(1),
+    shared_memory=True,
     **declared("convert"),
 )
 @recoverable
@@ -178,7 +184,8 @@ def score(
     **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, HealthConfig, DebugConfig, DistillConfig, module=__name__)),
     container_image=cpu_image,
     **DECKS,
-    task_config=Elastic(nnodes=1, nproc_per_node=TrainConfig().nproc_per_node, start_method="fork", monitor_interval=MONITOR_S),  # a run's: train_task(cfg)
+    task_config=one_node(TrainConfig().nproc_per_node),  # a run's: train_task(cfg)
+    shared_memory=True,
     **declared("train"),
 )
 @recoverable
@@ -221,7 +228,8 @@ def train(
     lambda train_cfg, **_: preload(train_cfg),
     **cached(cache_version(PublishConfig, TrainConfig, module=__name__)),
     container_image=cpu_image,
-    task_config=ONE_PROCESS,
+    task_config=one_node(1),
+    shared_memory=True,
     **declared("publish"),
 )
 @recoverable

@@ -22,17 +22,10 @@ EVERY_TASK = [*CACHED, async_phase, *UNCACHED, log_phase]
 INTERRUPTIBLE = {"tasks.rl.rollout", "tasks.rl.score", "tasks.distill.teach", "tasks.rl.evaluate"}
 
 
-def declared_requests(template) -> dict:
-    """The task's own CPU and memory requests: its container's, or its pod template's (an Elastic task)."""
-    if template.container:
-        return {r.name: r.value for r in template.container.resources.requests}
-    return template.k8s_pod.pod_spec["containers"][0]["resources"]["requests"]
-
-
 @pytest.mark.parametrize("task", EVERY_TASK, ids=lambda t: t.name)
 def test_every_task_declares_resources_retries_a_timeout_and_where_it_may_be_interrupted(task):
     template = compile_entity(task).template
-    assert len(declared_requests(template)) == 2  # CPU and memory
+    assert len(template.container.resources.requests) == 2  # CPU and memory
     assert template.metadata.retries.retries == ClusterConfig().retries
     assert timedelta(minutes=10) <= template.metadata.timeout <= timedelta(hours=12)
     assert template.metadata.interruptible == (task.name in INTERRUPTIBLE)
@@ -97,7 +90,7 @@ def test_the_elastic_tasks_restart_and_rendezvous_as_the_recipe_says(two_nodes):
     elastic = train.custom["elasticConfig"]  # a PyTorchJob of 2 worker pods
     assert (elastic["minReplicas"], elastic["maxReplicas"], elastic["nprocPerNode"], elastic["maxRestarts"]) == (2, 2, 8, 7)
     for name in ("train", "convert", "publish"):  # each pod builds its task again from these: its torch elastic launch reads them
-        args = two_nodes[f"tasks.rl.{name}"][1].k8s_pod.pod_spec["containers"][0]["args"]
+        args = two_nodes[f"tasks.rl.{name}"][1].container.args
         written = {args[i]: args[i + 1] for i in range(args.index("nnodes"), len(args), 2)}
         assert written == {
             "nnodes": "2" if name == "train" else "1",

@@ -44,17 +44,12 @@ def compile_entity(entity):
     return get_serializable(OrderedDict(), SETTINGS, entity)
 
 
-def image_of(template) -> str:
-    """The task's image: its container's, or its pod template's first container's (an Elastic task)."""
-    return template.container.image if template.container else template.k8s_pod.pod_spec["containers"][0]["image"]
-
-
 @pytest.mark.parametrize("task", CACHED, ids=lambda t: t.name)
 def test_stage_tasks_are_cached_with_a_config_derived_version(task):
     template = compile_entity(task).template
     assert template.metadata.discoverable
     assert template.metadata.discovery_version.startswith(f"{miles_core.__version__}-")
-    assert image_of(template) == cpu_image.image_name()
+    assert template.container.image == cpu_image.image_name()
 
 
 def test_cache_versions_differ_by_the_sections_read():

@@ -120,7 +120,7 @@ def test_compiled_nodes_ask_for_the_recipe_processes_gpus_and_memory(name):
         assert (elastic["minReplicas"], elastic["maxReplicas"], elastic["nprocPerNode"]) == (nnodes, nnodes, 8)
     else:  # flytekit runs a one-node Elastic task in a plain pod
         assert train_template.type == "python-task"
-    args = train_template.k8s_pod.pod_spec["containers"][0]["args"]  # the pod builds the task again with the same sizes
+    args = train_template.container.args  # the pod builds the task again with the same sizes
     assert (args[args.index("nnodes") + 1], args[args.index("nproc-per-node") + 1]) == (str(nnodes), "8")
     node_gpus = cfg.train.gpus_per_node
     assert requests(train_node) == {"CPU": str(8 * node_gpus), "MEMORY": f"{64 * node_gpus}Gi", "GPU": str(node_gpus)}

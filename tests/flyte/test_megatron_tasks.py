@@ -22,9 +22,9 @@ pytestmark = pytest.mark.flyte
 def test_trainer_tasks_are_cached_elastic_pods(task):
     template = compile_entity(task).template
     assert template.metadata.discoverable and template.metadata.discovery_version.startswith(f"{miles_core.__version__}-")
-    container = template.k8s_pod.pod_spec["containers"][0]  # an Elastic task is a pod template, not a container
-    assert container["image"] == cpu_image.image_name()
-    assert container["resources"]["requests"] == {"cpu": "2", "memory": "8Gi"}
+    assert template.container.image == cpu_image.image_name()
+    assert {r.name: r.value for r in template.container.resources.requests} == {Resources.ResourceName.CPU: "2", Resources.ResourceName.MEMORY: "8Gi"}
+    assert template.extended_resources.shared_memory.mount_path == "/dev/shm"  # NCCL's, torch multiprocessing's
     assert task.task_config.nnodes == 1 and task.task_config.start_method == "fork"
 
 
@@ -51,7 +51,9 @@ def test_a_pod_builds_the_train_task_again_with_the_recipe_processes():
 def test_a_one_node_variant_compiles_to_the_pod_of_the_task_defined_in_tasks_rl():
     """A one-node variant rendezvouses where it runs (statically): nothing a cluster reads changes."""
     variant, defined = (compile_entity(t).template for t in (rl_tasks.train_task(TrainConfig()), rl_tasks.train))
-    pods = [{**t.k8s_pod.pod_spec, "containers": [{**c, "args": None} for c in t.k8s_pod.pod_spec["containers"]]} for t in (variant, defined)]
+    pods = [(t.container.to_flyte_idl(), t.extended_resources) for t in (variant, defined)]
+    for container, _ in pods:
+        del container.args[:]
     assert pods[0] == pods[1] and (variant.type, variant.custom) == (defined.type, defined.custom)  # the args name the variant's resolver
     assert variant.metadata.discovery_version == defined.metadata.discovery_version
     multi_node = compile_entity(rl_tasks.train_task(TrainConfig(nnodes=2))).template

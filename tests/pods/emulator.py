@@ -218,9 +218,9 @@ class Cluster:
     def _start_pod(self, execution: Execution, template, meta: str, path: str, attempt: int) -> str:
         """`pyflyte-execute` with the template's container args in a fresh pod; returns the tail of its log."""
         container = template.container
-        pod_container = None if container else template.k8s_pod.pod_spec["containers"][0]
-        args = list(container.args) if container else list(pod_container["args"])
-        env_pairs = container.env.items() if container else [(e["name"], e.get("value", "")) for e in pod_container.get("env", [])]
+        if container is None:
+            raise AssertionError(f"{template.id.name}: a pod template, which the emulator does not start (every task here is a container)")
+        args = list(container.args)
         raw = self.store.uri("raw", execution.name, path.replace("/", "-"), str(attempt))
         values = {"{{.input}}": f"{meta}/inputs.pb", "{{.outputPrefix}}": meta, "{{.rawOutputDataPrefix}}": raw}
         values |= {"{{.checkpointOutputPrefix}}": f"{raw}/_flytecheckpoints", "{{.prevCheckpointPrefix}}": '""'}
@@ -229,7 +229,7 @@ class Cluster:
         try:
             for sub in ("work", "home", "tmp"):
                 (pod / sub).mkdir()
-            env = self._pod_env(execution, template, pod, attempt) | dict(env_pairs)
+            env = self._pod_env(execution, template, pod, attempt) | dict(container.env.items())
             proc = subprocess.run(self._confined(args, pod), cwd=pod / "work", env=env, capture_output=True, text=True, timeout=1800)
         finally:
             shutil.rmtree(pod, ignore_errors=True)  # a pod's disk ends with the pod
