@@ -23,9 +23,12 @@ $(STAMP): pyproject.toml requirements.lock
 	command -v bwrap >/dev/null || apt-get install -y bubblewrap || sudo apt-get install -y bubblewrap  # code sandbox
 	touch $@
 
-# `make run RECIPE=recipes/x.yaml ARGS="sft.seed=1 model.seed=1"`: another recipe, keys overridden
+# `make run RECIPE=recipes/x.yaml ARGS="sft.seed=1 model.seed=1"`: another recipe, keys overridden. The run's temporary
+# files (flytekit's local sandbox: every download of the run, ~400 MB for the main recipe) go to a folder removed after
+# it; what the run produced is under its run root.
 run: setup
-	cfg="$$($(PY) -m miles_core.config $(RECIPE) $(ARGS))" && $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
+	tmp="$$(mktemp -d)" && trap 'rm -rf "$$tmp"' EXIT INT TERM && cfg="$$($(PY) -m miles_core.config $(RECIPE) $(ARGS))" && \
+	TMPDIR="$$tmp" $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
 
 # Two test processes (pytest-xdist), each taking whole files so a file's shared runs happen once (three were measured
 # slower: 46+ minutes against 34, every test starved by the others). Torch keeps its default threads: the learning
