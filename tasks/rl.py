@@ -79,10 +79,11 @@ from tasks.retry import recoverable
 MONITOR_S = 0.02
 
 
-def one_node(nproc_per_node: int) -> Elastic:
-    """Forked workers on one node, polled every MONITOR_S. The pod's /dev/shm (NCCL's and torch multiprocessing's) is
-    the task's `shared_memory`, not the plugin's deprecated pod template (`increase_shared_mem`)."""
-    return Elastic(nnodes=1, nproc_per_node=nproc_per_node, start_method="fork", monitor_interval=MONITOR_S, increase_shared_mem=False)
+def one_node(nproc_per_node: int) -> dict:
+    """The @task arguments of an Elastic task of forked workers on one node, polled every MONITOR_S. The pod's /dev/shm
+    (NCCL's and torch multiprocessing's) is the task's `shared_memory`, not the plugin's deprecated pod template."""
+    elastic = Elastic(nnodes=1, nproc_per_node=nproc_per_node, start_method="fork", monitor_interval=MONITOR_S, increase_shared_mem=False)
+    return {"task_config": elastic, "shared_memory": True}
 
 
 def train_task(cfg: TrainConfig, cluster: ClusterConfig = DEFAULTS):
@@ -119,8 +120,7 @@ def _read_prompts(path: str, size: int, mtime_ns: int, keys: tuple[str, str, str
     lambda cfg, **_: preload(cfg),
     **cached(cache_version(TrainConfig, AlgoConfig, module=__name__)),
     container_image=cpu_image,
-    task_config=one_node(1),
-    shared_memory=True,
+    **one_node(1),
     **declared("convert"),
 )
 @recoverable
@@ -184,8 +184,7 @@ def score(
     **cached(cache_version(AlgoConfig, TrainConfig, RolloutConfig, HooksConfig, HealthConfig, DebugConfig, DistillConfig, module=__name__)),
     container_image=cpu_image,
     **DECKS,
-    task_config=one_node(TrainConfig().nproc_per_node),  # a run's: train_task(cfg)
-    shared_memory=True,
+    **one_node(TrainConfig().nproc_per_node),  # a run's: train_task(cfg)
     **declared("train"),
 )
 @recoverable
@@ -228,8 +227,7 @@ def train(
     lambda train_cfg, **_: preload(train_cfg),
     **cached(cache_version(PublishConfig, TrainConfig, module=__name__)),
     container_image=cpu_image,
-    task_config=one_node(1),
-    shared_memory=True,
+    **one_node(1),
     **declared("publish"),
 )
 @recoverable

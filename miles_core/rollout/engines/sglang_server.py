@@ -98,14 +98,14 @@ class SGLangServer:
         """Start server number `slot` of this pod (on cuda: GPUs slot x tensor_parallel onwards) and wait until it is
         healthy; a port another process bound first (the server binds it only after its engine has started) is
         given up for another, up to three times."""
-        for attempt in range(1, 4):
+        for attempt in range(1, _LAUNCH_TRIES + 1):
             server = cls._start(cfg, model_path, weight_version, slot)
             try:
                 server.wait_healthy()
                 return server
             except PortTaken:
                 server.stop()
-                if attempt == 3:
+                if attempt == _LAUNCH_TRIES:
                     raise
                 log.warning("%s was taken before the SGLang server bound it: starting it again on another port", server.url)
             except BaseException:
@@ -150,8 +150,9 @@ class SGLangServer:
         found its port taken raises PortTaken at once: its HTTP server gives up but the process stays."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
-            if self.process is not None and _PORT_TAKEN in self.log_tail().lower():
-                raise PortTaken(f"SGLang server {self.url}: its port was taken (log {self.log_file}):\n{self.log_tail()}")
+            tail = self.log_tail() if self.process is not None else ""
+            if _PORT_TAKEN in tail.lower():
+                raise PortTaken(f"SGLang server {self.url}: its port was taken (log {self.log_file}):\n{tail}")
             if self.process is not None and self.process.poll() is not None:
                 raise SGLangError(
                     f"SGLang server {self.url} exited with code {self.process.returncode} during start-up (log {self.log_file}):\n{self.log_tail()}"
@@ -216,6 +217,7 @@ class PortTaken(SGLangError):
 
 
 _PORT_TAKEN = "address already in use"
+_LAUNCH_TRIES = 3  # ports a launch tries before PortTaken fails it
 
 
 class ServerUnreachable(SGLangError):
