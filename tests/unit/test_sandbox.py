@@ -3,9 +3,13 @@ real rlimits; the hostile corpus is tests/hostile/test_sandbox_corpus.py."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import socket
 import struct
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -13,6 +17,8 @@ import pytest
 from miles_core.tools import cgroup, seccomp
 from miles_core.tools.sandbox import (
     NOBODY,
+    SLOT_LOCKS,
+    UID_BASE,
     SandboxLimits,
     SandboxUnavailable,
     run_python,
@@ -62,6 +68,23 @@ def test_ordinary_code_runs_in_a_writable_scratch_directory():
 def test_each_run_starts_from_an_empty_scratch():
     run_python("open('left_over.txt', 'w').write('x')", LIMITS)
     assert run_python("import os\nprint(os.listdir('.'))", LIMITS).stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes take uids of their own only as root")
+def test_a_uid_held_by_a_process_with_another_tmpdir_is_held_for_this_one(tmp_path):
+    """The uid slots are the machine's: a sandbox of a process with its own TMPDIR (`make run` gives it one) holds its
+    uid in the same lock folder every other process looks in."""
+    hold = "import sys\nfrom miles_core.tools.sandbox import _own_uid\nwith _own_uid() as uid:\n    print(uid, flush=True)\n    sys.stdin.read()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold], env={**os.environ, "TMPDIR": str(tmp_path)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        slot = int(holder.stdout.readline()) - UID_BASE
+        with open(os.path.join(SLOT_LOCKS, str(slot)), "ab") as lock, pytest.raises(BlockingIOError):
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        holder.communicate("")
+    assert not (tmp_path / "miles-sandbox-uids").exists()
 
 
 def test_missing_bubblewrap_is_a_clear_error(monkeypatch):
