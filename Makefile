@@ -35,11 +35,14 @@ run: setup
 # tier's runs are deterministic for a thread count, and the megatron run of tests/flyte/test_learning.py learns less at
 # one thread (+8.6 points, under its margin) than at two. With two workers and their subprocesses sharing 2 cores,
 # OpenMP threads that wait sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE): the same numbers, bit for bit, without
-# the spinning threads taking the other's core.
+# the spinning threads taking the other's core. The tests' temporary files (pytest's folders, flytekit's local sandbox
+# of every process that imports it, servers' logs: ~1 GB) go to a folder removed after them, kept and named when a test
+# fails.
 test: setup sglang-env
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	tmp="$$(mktemp -d)" && if TMPDIR="$$tmp" OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --durations=15; \
+	then rm -rf "$$tmp"; else status=$$?; echo "the tests' temporary files are kept in $$tmp"; exit $$status; fi
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not flyte and not integration"
