@@ -38,11 +38,8 @@ def artifact_uris(literal: Literal) -> Iterator[str]:
 def _paths(value: object) -> Iterator[str]:
     if isinstance(value, dict) and isinstance(value.get("path"), str):
         yield value["path"]  # a FlyteFile or FlyteDirectory serialised inside a dataclass
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _paths(item)
-    elif isinstance(value, list):
-        for item in value:
+    elif isinstance(value, (dict, list)):
+        for item in value.values() if isinstance(value, dict) else value:
             yield from _paths(item)
 
 

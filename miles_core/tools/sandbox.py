@@ -151,9 +151,7 @@ while True:
 sys.exit(code if code >= 0 else 128 - code)
 """
 UID_BASE, UID_SLOTS = 0x5A000000, 4096  # one uid per concurrent sandbox, far above any real user
-# One lock file per uid slot, held while its sandbox runs. The uids are the machine's, so are their locks: one folder for
-# every process, whatever its TMPDIR (`make run` gives its run a TMPDIR of its own).
-SLOT_LOCKS = os.path.join("/run/lock" if os.path.isdir("/run/lock") else "/tmp", "miles-sandbox-uids")
+SLOT_LOCKS = os.path.join("/run/lock" if os.path.isdir("/run/lock") else "/tmp", "miles-sandbox-uids")  # a lock per uid slot: the machine's, whatever TMPDIR
 SHM_BYTES = 1 << 20  # /dev/shm (POSIX semaphores of multiprocessing need a few bytes)
 BWRAP_PROCESSES = 3  # the launcher, bwrap's monitor and its pid-1 init, besides the code's processes
 # host information in /proc that a pid namespace does not hide: kernel command line, config and
