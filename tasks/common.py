@@ -30,11 +30,12 @@ from miles_core.config import config_hash
 from miles_core.data.source import DataState
 from miles_core.plugins import code_closure
 from miles_core.storage import Transfer, artifact_name, copy_into, digest
-from tasks import local_cache
+from tasks import decks, local_cache
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the project builds its own models; never reach a hub
 transformers.utils.logging.disable_progress_bar()  # per-load bars drown the per-iteration lines
 local_cache.check_hits()  # a local run's cache hit whose artifacts were deleted runs the task again
+decks.source_rendered_once()  # a task's source code deck highlighted once per process
 
 
 @dataclass

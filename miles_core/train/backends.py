@@ -14,6 +14,8 @@ torch backend brings transformers' model classes, which a task that trains nothi
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -130,13 +132,26 @@ def train_checkpoint(
 
     Run by every process of the train task: each trains its data-parallel share of the batch.
     """
-    trainer = load_trainer(cfg, ckpt_dir, reference_dir)
-    critic = load_critic(fns.algo, cfg, ckpt_dir)
+    trainer = _resumed("policy", ckpt_dir, cfg, lambda: load_trainer(cfg, ckpt_dir, reference_dir))
+    critic = _resumed("critic", str(Path(ckpt_dir) / "critic"), _critic_cfg(fns.algo, cfg), lambda: load_critic(fns.algo, cfg, ckpt_dir))
     reference = make_trainer(cfg, reference_dir) if fns.algo.kl_coef > 0 else None
     metrics = train_step(trainer, samples, fns, AutoTokenizer.from_pretrained(ckpt_dir).pad_token_id, reference, critic, iteration, trace)
     save_checkpoint(trainer, critic, out_dir, ckpt_dir)
+    _kept.update({"policy": (os.getpid(), trainer), "critic": (os.getpid(), critic)})
     fns.after_save(str(out_dir), iteration)
     return trainer.step, metrics
+
+
+# role -> (pid, trainer): the train stage's trainers as they saved the last checkpoint, in the process that trained them
+# (a local run's, or one pod's that trains on); taken by the next train stage of that process, put back once it saved
+_kept: dict[str, tuple[int, Trainer | None]] = {}
+
+
+def _resumed(role: str, ckpt_dir: str, cfg: TrainConfig, load: Callable[[], Trainer | None]) -> Trainer | None:
+    """The trainer saved in ckpt_dir: the one this process kept continued in place where it can be (`Trainer.resume`:
+    the same config and model), else `load()`."""
+    pid, kept = _kept.pop(role, (None, None))
+    return kept if pid == os.getpid() and kept is not None and kept.resume(ckpt_dir, cfg) else load()
 
 
 def _critic_cfg(algo: AlgoConfig, cfg: TrainConfig) -> TrainConfig:

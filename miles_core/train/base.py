@@ -135,6 +135,9 @@ class Trainer(Protocol):
     def save_atomically(self, out_dir: str | Path, tokenizer_dir: str, also: Callable[[Path], None] | None = None) -> None:
         """`save` into a temporary sibling renamed into place when complete, with the tokenizer; `also(tmp)` adds files."""
 
+    def resume(self, ckpt_dir: str, cfg: TrainConfig) -> bool:  # noqa: F821 (miles_core.config.TrainConfig)
+        """Continue in place as the trainer `load` would build from ckpt_dir with cfg; False, nothing changed, where it cannot."""
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's full weights under HF names (what a rollout engine loads in memory)."""
 
@@ -178,6 +181,9 @@ class TrainerBase:
 
     def routing_metrics(self) -> dict[str, float]:
         return {}  # a backend that replays routing reports its agreement
+
+    def resume(self, ckpt_dir: str, cfg) -> bool:
+        return False  # a backend that can take a checkpoint in place says so
 
     # the shared loop ------------------------------------------------------------------------------
     def train_on(

@@ -48,3 +48,21 @@ def test_a_trained_batch_shows_its_advantages_and_the_mismatch_on_trained_tokens
     assert "mean advantage" in shown["samples"]
     assert "mismatch/abs_logprob_diff" in shown["mismatch"] and ">loss<" not in shown["mismatch"]
     assert "trainer - rollout log-prob per token (8)" in shown["mismatch"]  # two trained tokens in each of four samples
+
+
+def test_a_tasks_source_deck_is_highlighted_once_per_process_and_the_same_each_time(monkeypatch, request):
+    """flytekit renders the "Source Code" deck on every run of a task; after `source_rendered_once` (installed by
+    tasks/common.py) a source is highlighted by pygments once, later runs get the same HTML, another source its own."""
+    from flytekit.deck.renderer import SourceCodeRenderer
+
+    import tasks.decks as decks_module
+
+    decks_module.source_rendered_once()
+    highlighted = []
+    monkeypatch.setattr(decks_module, "_highlight", lambda renderer, source: highlighted.append(source) or f"<pre>{source}</pre>")
+    decks_module._highlighted.cache_clear()
+    request.addfinalizer(decks_module._highlighted.cache_clear)  # nothing rendered by the stand-in stays for other tests
+    first = SourceCodeRenderer().to_html("def f():\n    return 1\n")
+    assert SourceCodeRenderer().to_html("def f():\n    return 1\n") == first == "<pre>def f():\n    return 1\n</pre>"
+    assert SourceCodeRenderer().to_html("def g():\n    return 2\n") == "<pre>def g():\n    return 2\n</pre>"
+    assert highlighted == ["def f():\n    return 1\n", "def g():\n    return 2\n"]

@@ -105,6 +105,40 @@ def test_save_load_resumes_bitwise(policy_dir, tmp_path, dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_trainer_resumed_in_place_continues_as_one_loaded(policy_dir, tmp_path, dtype):
+    """`resume`: the trainer a train stage kept, holding the weights, optimizer state, gradients and bf16 copy of its own
+    steps, takes the next checkpoint in place and then trains bit for bit as a trainer `load` built from it; a checkpoint it
+    cannot take (another config, another model) is refused with nothing changed."""
+    cfg = TrainConfig(lr=1e-2, mini_batches=2, dtype=dtype)
+    samples = groups([1.0, 0.0, 0.0, 1.0])
+    start = TorchTrainer.from_hf(policy_dir, cfg)
+    start.save(str(tmp_path / "c0"))
+    kept = TorchTrainer.load(str(tmp_path / "c0"), cfg)
+    train(kept, samples, AlgoConfig(), 2, 1.0, 0)  # its own state, which the resume must replace
+    other = TorchTrainer.from_hf(policy_dir, cfg)
+    train(other, samples, AlgoConfig(), 2, 1.0, 0)
+    train(other, samples, AlgoConfig(), 2, 1.0, 0)
+    other.save(str(tmp_path / "c1"))
+
+    loaded = TorchTrainer.load(str(tmp_path / "c1"), cfg)
+    train(loaded, samples, AlgoConfig(), 2, 1.0, 0)
+    assert kept.resume(str(tmp_path / "c1"), cfg) and kept.step == 4
+    train(kept, samples, AlgoConfig(), 2, 1.0, 0)
+    assert kept.step == loaded.step == 6
+    for a, b in zip(loaded.model.state_dict().values(), kept.model.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(loaded.optimizer.state.values(), kept.optimizer.state.values()):
+        assert all(torch.equal(a[key], b[key]) for key in a)
+
+    before = [t.clone() for t in kept.model.state_dict().values()]
+    wider = build_tiny_model(dataclasses.replace(TINY, hidden_size=64), str(tmp_path / "wider"))
+    TorchTrainer.from_hf(wider, cfg).save(str(tmp_path / "c-wider"))
+    assert not kept.resume(str(tmp_path / "c1"), dataclasses.replace(cfg, lr=1e-3))
+    assert not kept.resume(str(tmp_path / "c-wider"), cfg)
+    assert kept.step == 6 and all(torch.equal(a, b) for a, b in zip(before, kept.model.state_dict().values()))
+
+
 def test_a_weights_only_load_reads_the_weights_and_leaves_the_optimizer_and_the_rng_alone(policy_dir, tmp_path):
     """What publishing loads: the checkpoint's weights, no optimizer state, this process's RNG as it was."""
     cfg = TrainConfig(lr=1e-2)

@@ -44,11 +44,8 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from miles_core.models import with_cache
@@ -60,13 +57,9 @@ from miles_core.rollout.sampling import sample_next_tokens
 from miles_core.rollout.speculative import Speculator
 from miles_core.routing import RouterTaps
 from miles_core.weights.adapter import is_adapter_dir
-from miles_core.weights.check import CheckpointError, check_hf_dir, weight_files
+from miles_core.weights.check import CheckpointError, check_hf_dir
+from miles_core.weights.in_place import built_from, load_in_place
 from miles_core.weights.publish import read_manifest, weights_sha256
-
-
-def _config_files(model_dir: str) -> tuple[bytes | None, ...]:
-    """The bytes of what a model is built from (config.json, generation_config.json), None for a missing one."""
-    return tuple(path.read_bytes() if path.is_file() else None for path in (Path(model_dir) / "config.json", Path(model_dir) / "generation_config.json"))
 
 
 def _read_pad_token_id(policy_dir: str, model) -> int:
@@ -204,28 +197,16 @@ class TorchEngine:
         model.eval()
         self.equal_length_batches = needs_equal_length_batches(model.config)
         self.pad_token_id = _read_pad_token_id(model_dir, model)
-        self.model, self.built_from = model, _config_files(model_dir)
+        self.model, self.built_from = model, built_from(model_dir)
         self.taps = RouterTaps(model) if self.record_routing else None
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         OneDnnHead.install(model)
 
     def _reload(self, model_dir: str) -> bool:
         """The weights of `model_dir` copied into the model built already, where its config files are those the model
-        was built from and its safetensors hold exactly the model's tensors (a tied head's once), each floating-point
-        and of the model's shape; False, nothing changed, where they do not or a file does not read (the full load then
-        judges the directory and names what is wrong)."""
-        if self.base_sha256 or self.built_from != _config_files(model_dir):
+        was built from (weights/in_place.py); False, nothing changed, where they are not or its tensors do not fit."""
+        if self.base_sha256 or self.built_from != built_from(model_dir) or not load_in_place(self.model, model_dir):
             return False
-        try:
-            state = {name: tensor for file in weight_files(Path(model_dir)) for name, tensor in load_file(file).items()}
-        except (CheckpointError, SafetensorError, OSError):
-            return False
-        own = self.model.state_dict()
-        loaded = {own[name].data_ptr() for name in state if name in own}
-        tied = all(own[name].data_ptr() in loaded for name in own.keys() - state.keys())  # shares a tensor loaded
-        if not (tied and state.keys() <= own.keys() and all(t.shape == own[k].shape and t.is_floating_point() for k, t in state.items())):
-            return False
-        self.model.load_state_dict(state, strict=False)
         self.pad_token_id = _read_pad_token_id(model_dir, self.model)  # the tokenizer's, where the config names none
         return True
 
