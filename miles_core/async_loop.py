@@ -89,7 +89,7 @@ class AsyncTrainer:
     algo.kl_coef > 0). It is one process: megatron runs in a world of one (gloo on CPU)."""
 
     def __init__(self, spec: PhaseSpec):
-        from transformers import AutoTokenizer
+        from miles_core.models.tokenizers import load_tokenizer
 
         torch.set_num_threads(actor_threads(spec.cfg))
         parallel = spec.train.tensor_parallel * spec.train.pipeline_parallel * spec.train.expert_parallel
@@ -101,7 +101,7 @@ class AsyncTrainer:
         self.ckpt_dir = spec.transfer.fetch(spec.ckpt_dir)
         self.trainer = load_trainer(spec.train, self.ckpt_dir)
         self.reference = make_trainer(spec.train, spec.transfer.fetch(spec.reference_dir)) if spec.algo.kl_coef > 0 else None
-        self.tokenizer = AutoTokenizer.from_pretrained(self.ckpt_dir)
+        self.tokenizer = load_tokenizer(self.ckpt_dir)
 
     def run(self, buffer, workers: list) -> tuple[list[list[Sample]], list[dict[str, float]]]:
         spec, consumed, steps = self.spec, [], []

@@ -16,10 +16,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from transformers import AutoTokenizer
-
 from miles_core.config import DistillConfig, RolloutConfig, TrainConfig
 from miles_core.models.source import admit
+from miles_core.models.tokenizers import load_tokenizer
 from miles_core.samples import Sample
 from miles_core.train.backends import trainer_class
 from miles_core.train.base import Trainer, pack
@@ -30,7 +29,7 @@ def admit_teacher(teacher_dir: str, policy_dir: str, teacher_name: str, policy_n
     """Raise CheckpointError unless the teacher at teacher_dir is a whole checkpoint whose tokenizer fits its embedding
     and equals the policy's token for token; the names (where each came from) are what the message shows."""
     admit(teacher_dir, TrainConfig(), RolloutConfig())  # the torch model and the torch engine: no backend or server to fit
-    teacher, policy = (AutoTokenizer.from_pretrained(d).get_vocab() for d in (teacher_dir, policy_dir))
+    teacher, policy = (load_tokenizer(d).get_vocab() for d in (teacher_dir, policy_dir))
     differing = sorted(token for token in teacher.keys() | policy.keys() if teacher.get(token) != policy.get(token))
     if differing:
         token = min(differing, key=lambda t: min(teacher.get(t, len(teacher)), policy.get(t, len(policy))))  # the lowest id first

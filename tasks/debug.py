@@ -10,13 +10,13 @@ import pandas as pd
 from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
-from transformers import AutoTokenizer
 
 from containers.images import cpu_image
 from miles_core.batch_io import read_batch, write_batch
 from miles_core.config import RewardConfig, RolloutConfig
 from miles_core.dump import read_rollouts, readable_frame, write_dump
 from miles_core.models import vocab_size
+from miles_core.models.tokenizers import load_tokenizer
 from miles_core.samples import Sample
 from tasks.common import BatchResult, Policy, cache_version, new_artifact, uploaded_dir, uploaded_file, uri_of
 from tasks.decks import batch_decks
@@ -35,7 +35,7 @@ def train_outputs(samples: list[Sample], tokenizer_dir: str, trace: dict, metric
     `dump_to` is (root, iteration, *inputs), the batch dumped with the step's advantages and trainer log-probs."""
     if int(os.environ.get("RANK", "0")) != 0:
         return None
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
     batch_decks(samples, tokenizer, metrics, trace)
     return dumped(readable_frame(samples, tokenizer, trace), *dump_to) if dump_to else None
 
@@ -46,7 +46,7 @@ def dump(rollout: RolloutConfig, policy: Policy, batch: BatchResult, iteration: 
     """A scored batch as a readable dataset (no train step: no advantages or trainer log-probs)."""
     policy_dir = policy.dir.download()
     samples = read_batch(batch.batch.download(), scored=True, vocab_size=vocab_size(policy_dir), group_size=rollout.n_samples)
-    return dumped(readable_frame(samples, AutoTokenizer.from_pretrained(policy_dir)), root, iteration, uri_of(batch.batch))
+    return dumped(readable_frame(samples, load_tokenizer(policy_dir)), root, iteration, uri_of(batch.batch))
 
 
 @task(**cached(cache_version(RewardConfig, RolloutConfig, module=__name__)), container_image=cpu_image, **declared("score"))

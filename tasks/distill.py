@@ -9,7 +9,6 @@ sample's teacher log-probs, checked by the batch schema on the way out and by th
 from __future__ import annotations
 
 from flytekit import task
-from transformers import AutoTokenizer
 
 from containers.images import cpu_image
 from miles_core.batch_io import read_batch, write_batch
@@ -17,6 +16,7 @@ from miles_core.config import DistillConfig, ModelConfig, RewardConfig, RolloutC
 from miles_core.distill import admit_teacher, load_teacher, score_with_teacher
 from miles_core.models import vocab_size
 from miles_core.models.source import fetch_base
+from miles_core.models.tokenizers import load_tokenizer
 from tasks.common import BatchResult, Policy, cache_version, new_artifact, uploaded_dir, uploaded_file, uri_of
 from tasks.metadata import MEDIUM, cached, declared
 from tasks.prepare import download_uri
@@ -42,7 +42,7 @@ def teach(cfg: DistillConfig, rollout: RolloutConfig, reward: RewardConfig, teac
     teacher_dir = teacher.dir.download()
     shape = {"scored": True, "reward_range": (reward.min, reward.max), "vocab_size": vocab_size(teacher_dir), "group_size": rollout.n_samples}
     samples = read_batch(batch.batch.download(), **shape)
-    pad_id = AutoTokenizer.from_pretrained(teacher_dir).pad_token_id
+    pad_id = load_tokenizer(teacher_dir).pad_token_id
     metrics = score_with_teacher(load_teacher(cfg, teacher_dir), samples, pad_id, rollout.temperature)
     out, dest = new_artifact(root, "distilled", iteration, cfg, rollout, uri_of(teacher.dir), uri_of(batch.batch), suffix=".parquet")
     write_batch(samples, out, distilled=True, **shape)

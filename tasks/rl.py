@@ -26,7 +26,6 @@ import torch
 from flytekit import task
 from flytekit.types.file import FlyteFile
 from flytekitplugins.kfpytorch import Elastic
-from transformers import AutoTokenizer
 
 from containers.images import cpu_image
 from miles_core.batch_io import read_batch, write_batch
@@ -46,6 +45,7 @@ from miles_core.config import (
 )
 from miles_core.data.source import DataState, Prompt, load_prompts
 from miles_core.models import vocab_size
+from miles_core.models.tokenizers import load_tokenizer
 from miles_core.plugins import plugin
 from miles_core.rollout.engines import make_engine, weight_update_metrics
 from miles_core.step import bind, groups_of, rollout_seed, score_batch, scorer_of
@@ -150,7 +150,7 @@ def rollout(
     fns = bind(rollout=cfg, reward=reward)
     source = plugin(data, "data", "source_fn")(_prompts(dataset.train, data), data.seed, state)
     policy_dir = policy.dir.download()
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer = load_tokenizer(policy_dir)
     shape = {"vocab_size": vocab_size(policy_dir), "group_size": cfg.n_samples}
     waiting = groups_of(read_batch(buffer.download(), scored=True, **shape), cfg.n_samples) if buffer is not None else []
     engine = make_engine(cfg, policy_dir, policy.version, base_dir_of(policy), shared=True)
@@ -171,7 +171,7 @@ def score(
 ) -> BatchResult:
     policy_dir = policy.dir.download()
     shape = {"vocab_size": vocab_size(policy_dir), "group_size": rollout.n_samples}
-    samples, tokenizer = read_batch(batch.batch.download(), **shape), AutoTokenizer.from_pretrained(policy_dir)
+    samples, tokenizer = read_batch(batch.batch.download(), **shape), load_tokenizer(policy_dir)
     metrics = score_batch(samples, bind(rollout=rollout, reward=cfg, hooks=hooks), tokenizer, iteration, batch.metrics)
     out, dest = new_artifact(root, "scored", iteration, cfg, hooks, uri_of(batch.batch), code, suffix=".parquet")
     write_batch(samples, out, scored=True, reward_range=(cfg.min, cfg.max), **shape)
@@ -254,6 +254,6 @@ def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: R
     policy_dir = policy.dir.download()
     engine = make_engine(rollout, policy_dir, policy.version, base_dir_of(policy), shared=True, max_batch_sequences=cfg.batch_size)
     fns = bind(rollout=rollout, reward=reward, evaluation=cfg)
-    metrics = fns.evaluate_fn(engine, _prompts(dataset.test, data), AutoTokenizer.from_pretrained(policy_dir), fns)
+    metrics = fns.evaluate_fn(engine, _prompts(dataset.test, data), load_tokenizer(policy_dir), fns)
     print(f"evaluate: policy v{policy.version}: held-out accuracy {metrics['eval/accuracy']:.3f}")
     return {**metrics, "time/evaluate_s": time.perf_counter() - started}

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from flytekit import task
-from transformers import AutoTokenizer
 
 from containers.images import cpu_image
 from miles_core.config import DataConfig, SFTConfig
 from miles_core.data.source import load_prompts
+from miles_core.models.tokenizers import load_tokenizer
 from miles_core.train.backends import trainer_class
 from miles_core.train.sft import demonstrations, run_sft, sft_train_config
 from miles_core.weights.publish import publish
@@ -21,7 +21,7 @@ from tasks.retry import recoverable
 def sft(cfg: SFTConfig, data: DataConfig, base: Policy, dataset: Dataset, root: str) -> Policy:
     """SFT on the train split's demonstrations; the result is published as the next version."""
     base_dir = base.dir.download()
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    tokenizer = load_tokenizer(base_dir)
     prompts = load_prompts(dataset.train.download(), data.input_key, data.label_key, data.metadata_key)
     train_cfg = sft_train_config(cfg)
     trainer = trainer_class(train_cfg).from_hf(base_dir, train_cfg)

@@ -99,10 +99,10 @@ def model_shape(config: dict) -> dict[str, int]:
 
 
 def _check_vocab(directory: Path, config: dict) -> None:
-    from transformers import AutoTokenizer  # the tokenizer only after the files parsed (check_hf_dir)
+    from miles_core.models.tokenizers import load_tokenizer  # the tokenizer only after the files parsed (check_hf_dir)
 
     rows = _text_part(config).get("vocab_size")
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer = load_tokenizer(directory)
     if not isinstance(rows, int) or len(tokenizer) > rows:
         raise CheckpointError(
             f"{directory / 'config.json'}: key vocab_size: {rows!r} embedding rows, but the tokenizer has {len(tokenizer)} tokens "

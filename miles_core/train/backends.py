@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from miles_core.config import AlgoConfig, LoraConfig, PublishConfig, TrainConfig
+from miles_core.models.tokenizers import load_tokenizer
 from miles_core.samples import Sample
 from miles_core.step import StepFns, train_step
 from miles_core.train.base import Trainer
@@ -135,7 +135,7 @@ def train_checkpoint(
     trainer = _resumed("policy", ckpt_dir, cfg, lambda: load_trainer(cfg, ckpt_dir, reference_dir))
     critic = _resumed("critic", str(Path(ckpt_dir) / "critic"), _critic_cfg(fns.algo, cfg), lambda: load_critic(fns.algo, cfg, ckpt_dir))
     reference = make_trainer(cfg, reference_dir) if fns.algo.kl_coef > 0 else None
-    metrics = train_step(trainer, samples, fns, AutoTokenizer.from_pretrained(ckpt_dir).pad_token_id, reference, critic, iteration, trace)
+    metrics = train_step(trainer, samples, fns, load_tokenizer(ckpt_dir).pad_token_id, reference, critic, iteration, trace)
     save_checkpoint(trainer, critic, out_dir, ckpt_dir)
     _kept.update({"policy": (os.getpid(), trainer), "critic": (os.getpid(), critic)})
     fns.after_save(str(out_dir), iteration)

@@ -76,9 +76,9 @@ def _read_pad_token_id(policy_dir: str, model) -> int:
             pad_token = pad_token.get("content")
         if pad_token is not None:
             # Only the tokenizer knows the id of its pad string; loaded only when one is declared.
-            from transformers import AutoTokenizer
+            from miles_core.models.tokenizers import load_tokenizer
 
-            pad_id = AutoTokenizer.from_pretrained(policy_dir).convert_tokens_to_ids(pad_token)
+            pad_id = load_tokenizer(policy_dir).convert_tokens_to_ids(pad_token)
             if pad_id is not None:
                 return int(pad_id)
     return 0

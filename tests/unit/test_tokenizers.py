@@ -1,0 +1,32 @@
+"""miles_core/models/tokenizers.py: a directory's tokenizer loaded once per process for the same files, anew for any other."""
+
+import json
+import shutil
+
+from miles_core.config import ModelConfig
+from miles_core.models import tokenizers
+from miles_core.models.tiny import build_tiny_model
+from miles_core.models.tokenizers import load_tokenizer
+
+
+def test_the_same_tokenizer_files_load_once_and_a_changed_byte_loads_anew(tmp_path, monkeypatch):
+    base = build_tiny_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), str(tmp_path / "base"))
+    loads = []
+    monkeypatch.setattr(tokenizers.AutoTokenizer, "from_pretrained", lambda d, _load=tokenizers.AutoTokenizer.from_pretrained: loads.append(d) or _load(d))
+    monkeypatch.setattr(tokenizers, "_loaded", type(tokenizers._loaded)())
+    first = load_tokenizer(base)
+    copy = shutil.copytree(base, tmp_path / "next-version")  # what every checkpoint and policy of a run carries
+    assert load_tokenizer(copy) is first and loads == [base]
+
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    changed = load_tokenizer(copy)
+    assert changed is not first and changed.model_max_length == 77 and first.model_max_length != 77
+    (copy / "notes.txt").write_text("a file beside it")  # another file in the directory: loaded anew, not guessed the same
+    assert load_tokenizer(copy) is not changed and len(loads) == 3
+
+    for i in range(tokenizers.KEPT):  # the least recently used is dropped past KEPT
+        other = shutil.copytree(base, tmp_path / f"other-{i}")
+        (other / f"extra-{i}.txt").write_text("")
+        load_tokenizer(other)
+    assert load_tokenizer(base) is not first and len(loads) == 4 + tokenizers.KEPT
