@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import transformers
@@ -24,8 +25,18 @@ def is_multimodal(config: transformers.PretrainedConfig) -> bool:
 
 
 def vocab_size(model_dir: str) -> int:
-    """The model's vocabulary (its text config's vocab_size: the embedding rows, which may be more than len(tokenizer))."""
-    return text_config(transformers.AutoConfig.from_pretrained(model_dir)).vocab_size
+    """The model's vocabulary (its text config's vocab_size: the embedding rows, which may be more than len(tokenizer)),
+    read once per process for the same config.json (every policy and checkpoint of a run carries the same)."""
+    path = Path(model_dir, "config.json")
+    if not path.is_file():  # transformers says what is missing
+        return text_config(transformers.AutoConfig.from_pretrained(model_dir)).vocab_size
+    config = path.read_bytes()
+    if config not in _vocabularies:
+        _vocabularies[config] = text_config(transformers.AutoConfig.from_pretrained(model_dir)).vocab_size
+    return _vocabularies[config]
+
+
+_vocabularies: dict[bytes, int] = {}  # config.json's bytes -> its vocabulary
 
 
 def with_cache(model: torch.nn.Module, cache) -> dict:
