@@ -5,6 +5,7 @@ image each loop stage's node gets under a recipe."""
 import dataclasses
 import subprocess
 import sys
+import tempfile
 import tomllib
 
 import pytest
@@ -62,7 +63,8 @@ def test_the_sglang_image_installs_sglang_in_its_own_environment_after_the_code(
 def test_registry_and_base_images_come_from_the_environment():
     probe = "from containers import images as i; print(i.train_image.image_name(), i.train_image.base_image, i.rocm_image.base_image)"
     env = {"MILES_IMAGE_REGISTRY": "registry.example:5000/rl", "MILES_CUDA_BASE_IMAGE": "nvcr.io/nvidia/cuda:13.0", "MILES_ROCM_BASE_IMAGE": "rocm/dev:7"}
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **env}, capture_output=True, text=True)
+    plain = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "TMPDIR": tempfile.gettempdir()}  # flytekit's import makes a folder there
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env={**plain, **env}, capture_output=True, text=True)
     name, cuda, rocm = out.stdout.split()
     assert name.startswith("registry.example:5000/rl/miles-flyte-cuda:") and (cuda, rocm) == ("nvcr.io/nvidia/cuda:13.0", "rocm/dev:7")
 
