@@ -7,7 +7,6 @@ bytes again. A pod reads what another pod wrote and checks it; bytes that differ
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import io
 from pathlib import Path
@@ -15,23 +14,17 @@ from pathlib import Path
 import pandas as pd
 import pyarrow
 
+from miles_core.recent import Recent
 from miles_core.samples import Sample, from_frame, to_frame
 from miles_core.schemas import BatchError, check_batch
 from miles_core.storage import atomic_file
 
 REMEMBERED = 64
-_checked: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # (digest, checks), oldest first
+_checked = Recent(REMEMBERED)  # (digest, checks) of the contents checked
 
 
 def _contents(data: bytes, checks: tuple) -> tuple:
     return hashlib.blake2b(data, digest_size=16).digest(), checks
-
-
-def _remember(contents: tuple) -> None:
-    _checked[contents] = None
-    _checked.move_to_end(contents)
-    while len(_checked) > REMEMBERED:
-        _checked.popitem(last=False)
 
 
 def write_batch(
@@ -51,7 +44,7 @@ def write_batch(
     data = buffer.getvalue()
     with atomic_file(path) as tmp:
         tmp.write_bytes(data)
-    _remember(_contents(data, checks))
+    _checked.kept(_contents(data, checks), lambda: None)
     return Path(path)
 
 
@@ -73,5 +66,5 @@ def read_batch(
     contents = _contents(data, checks)
     if contents not in _checked:
         check_batch(frame, str(path), *checks)
-        _remember(contents)
+    _checked.kept(contents, lambda: None)
     return from_frame(frame)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import transformers
 
+from miles_core.recent import Recent
+
 if TYPE_CHECKING:
     import torch
 
@@ -27,16 +29,11 @@ def is_multimodal(config: transformers.PretrainedConfig) -> bool:
 def vocab_size(model_dir: str) -> int:
     """The model's vocabulary (its text config's vocab_size: the embedding rows, which may be more than len(tokenizer)),
     read once per process for the same config.json (every policy and checkpoint of a run carries the same)."""
-    path = Path(model_dir, "config.json")
-    if not path.is_file():  # transformers says what is missing
-        return text_config(transformers.AutoConfig.from_pretrained(model_dir)).vocab_size
-    config = path.read_bytes()
-    if config not in _vocabularies:
-        _vocabularies[config] = text_config(transformers.AutoConfig.from_pretrained(model_dir)).vocab_size
-    return _vocabularies[config]
+    config = Path(model_dir, "config.json").read_bytes()
+    return _vocabularies.kept(config, lambda: text_config(transformers.AutoConfig.from_pretrained(model_dir)).vocab_size)
 
 
-_vocabularies: dict[bytes, int] = {}  # config.json's bytes -> its vocabulary
+_vocabularies = Recent(16)  # config.json's bytes -> its vocabulary
 
 
 def with_cache(model: torch.nn.Module, cache) -> dict:

@@ -10,16 +10,16 @@ tokenizer differs in any byte loads its own. The tokenizer handed out is shared:
 
 from __future__ import annotations
 
-import collections
 import hashlib
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from miles_core.recent import Recent
 from miles_core.weights.publish import TOKENIZER_FILES
 
 KEPT = 4  # tokenizers a process keeps, the most recently used
-_loaded: collections.OrderedDict[tuple, PreTrainedTokenizerBase] = collections.OrderedDict()
+_loaded = Recent(KEPT)  # what each was loaded from (`_files_of`) -> the tokenizer
 
 
 def _files_of(directory: Path) -> tuple:
@@ -32,10 +32,4 @@ def _files_of(directory: Path) -> tuple:
 
 def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerBase:
     """`AutoTokenizer.from_pretrained(directory)`, or the same tokenizer this process loaded from identical files."""
-    key = _files_of(Path(directory))
-    if key not in _loaded:
-        _loaded[key] = AutoTokenizer.from_pretrained(str(directory))
-    _loaded.move_to_end(key)
-    while len(_loaded) > KEPT:
-        _loaded.popitem(last=False)
-    return _loaded[key]
+    return _loaded.kept(_files_of(Path(directory)), lambda: AutoTokenizer.from_pretrained(str(directory)))

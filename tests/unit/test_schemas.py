@@ -1,6 +1,5 @@
 """Rollout batches: the pandera schema at task boundaries names file, rows, column and check."""
 
-import collections
 import math
 
 import numpy as np
@@ -8,6 +7,7 @@ import pandas as pd
 import pytest
 
 from miles_core.batch_io import read_batch, write_batch
+from miles_core.recent import Recent
 from miles_core.samples import Sample, from_frame, to_frame
 from miles_core.schemas import BatchError, check_batch
 
@@ -189,8 +189,7 @@ def test_a_batch_is_checked_once_per_content_and_checks_in_a_process(tmp_path, m
 
     calls = []
     monkeypatch.setattr(batch_io, "check_batch", lambda frame, source, *checks: calls.append((source, checks)) or frame)
-    monkeypatch.setattr(batch_io, "_checked", collections.OrderedDict())
-    monkeypatch.setattr(batch_io, "REMEMBERED", 2)
+    monkeypatch.setattr(batch_io, "_checked", Recent(2))
     path = write_batch(batch(4, reward=1.0), tmp_path / "b.parquet", scored=True)
     assert len(read_batch(path, scored=True)) == 4 and len(calls) == 1  # the write's check only
     read_batch(path, scored=True, group_size=2)

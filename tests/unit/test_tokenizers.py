@@ -9,13 +9,14 @@ from miles_core.config import ModelConfig
 from miles_core.models import tokenizers, vocab_size
 from miles_core.models.tiny import build_tiny_model
 from miles_core.models.tokenizers import load_tokenizer
+from miles_core.recent import Recent
 
 
 def test_the_same_tokenizer_files_load_once_and_a_changed_byte_loads_anew(tmp_path, monkeypatch):
     base = build_tiny_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), str(tmp_path / "base"))
     loads = []
     monkeypatch.setattr(tokenizers.AutoTokenizer, "from_pretrained", lambda d, _load=tokenizers.AutoTokenizer.from_pretrained: loads.append(d) or _load(d))
-    monkeypatch.setattr(tokenizers, "_loaded", type(tokenizers._loaded)())
+    monkeypatch.setattr(tokenizers, "_loaded", Recent(tokenizers.KEPT))
     first = load_tokenizer(base)
     copy = shutil.copytree(base, tmp_path / "next-version")  # what every checkpoint and policy of a run carries
     assert load_tokenizer(copy) is first and loads == [base]
@@ -39,7 +40,7 @@ def test_the_vocabulary_of_the_same_config_is_read_once_and_another_config_its_o
     reads = []
     real = miles_core.models.transformers.AutoConfig.from_pretrained
     monkeypatch.setattr(miles_core.models.transformers.AutoConfig, "from_pretrained", lambda d: reads.append(d) or real(d))
-    monkeypatch.setattr(miles_core.models, "_vocabularies", {})
+    monkeypatch.setattr(miles_core.models, "_vocabularies", Recent(16))
     rows = vocab_size(base)
     copy = shutil.copytree(base, tmp_path / "next-version")
     assert vocab_size(str(copy)) == rows and reads == [base]
