@@ -48,7 +48,15 @@ def _samples(shown: pd.DataFrame, rows: int, mean_reward: float) -> str:
     if shown["advantages"].notna().any():
         table["mean advantage"] = [float(np.mean(a)) if len(a) else 0.0 for a in shown["advantages"]]
     caption = f"<p>sample responses: {len(table)} of {rows}, mean reward {mean_reward:.4f}</p>"
-    return caption + table.to_html(index=False, escape=True, float_format="{:.4f}".format)
+    cells = [[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row] for row in zip(*(table[c].tolist() for c in table.columns))]
+    return caption + _table(list(table.columns), cells)
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> str:
+    """An HTML table of text cells, escaped: what `DataFrame.to_html` makes of the same, in a tenth of its ~5 ms."""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+    return f'<table border="1"><thead><tr style="text-align: right;">{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def _mismatch(samples: list[Sample], trainer_logprobs: list[list[float]], metrics: dict[str, float]) -> str:
@@ -57,8 +65,8 @@ def _mismatch(samples: list[Sample], trainer_logprobs: list[list[float]], metric
         np.asarray(trainer)[np.asarray(s.loss_mask) > 0] - np.asarray(s.rollout_logprobs)[np.asarray(s.loss_mask) > 0]
         for s, trainer in zip(samples, trainer_logprobs)
     ]
-    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.6g}</td></tr>" for k, v in sorted(metrics.items()) if k.startswith("mismatch/"))
-    table = f"<p>train/rollout mismatch</p><table><tr><th>metric</th><th>value</th></tr>{rows}</table>"
+    rows = [[k, f"{v:.6g}"] for k, v in sorted(metrics.items()) if k.startswith("mismatch/")]
+    table = "<p>train/rollout mismatch</p>" + _table(["metric", "value"], rows)
     return table + _figure([("trainer - rollout log-prob per token", np.concatenate(diffs) if diffs else np.zeros(0))])
 
 

@@ -138,6 +138,24 @@ def test_a_malformed_value_names_its_row_among_well_formed_rows(column, value, c
     expect(frame, f"column {column}", check, "rows [37]", "p18/1")
 
 
+@pytest.mark.parametrize("column", ["label", "metadata", "finish_reason"])
+def test_a_text_column_holding_another_type_names_the_row(column):
+    """A frame's text column is of pandas' string dtype and passes as one; one a user's file filled with other values
+    (an object column) is checked row by row, and the row that is not text is named."""
+    frame = to_frame(batch(64))
+    assert isinstance(frame[column].dtype, pd.StringDtype)
+    frame[column] = frame[column].astype(object)
+    frame.at[37, column] = 12
+    expect(frame, f"column {column}", "rows [37]", "p18/1")
+
+
+@pytest.mark.parametrize("column", ["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask", "metadata"])
+def test_a_missing_value_names_its_row(column):
+    frame = to_frame(batch(64))
+    frame.at[21, column] = None
+    expect(frame, f"column {column}", "rows [21]", "p10/1")
+
+
 def test_numpy_rows_as_parquet_reads_them_are_checked_like_lists(tmp_path):
     samples = batch(64)
     samples[21].response_tokens = [8, 9, 70000]
