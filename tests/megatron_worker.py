@@ -16,6 +16,7 @@ torchrun) and prints one JSON line; tests/*/test_megatron*.py and test_checkpoin
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -212,6 +213,7 @@ def convert_one(root: Path, arch: str) -> dict:
         "logit_scale": float(expected.abs().max()),
         "sliding_window": spec.sliding_window,
         "sequence": SEQUENCE,
+        "processes_left": [p.name for p in multiprocessing.active_children()],  # by the saves
         **_ablation_gaps(model, spec, ids, expected),
     }
 

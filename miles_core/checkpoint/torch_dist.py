@@ -15,6 +15,7 @@ rank's shards in memory (for the trainer's `from_hf` and `export_hf`).
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 from pathlib import Path
 
@@ -146,7 +147,14 @@ def gather_full_state(model, spec: ArchSpec, adapters: bool = False) -> dict[str
 def save_torch_dist(state: dict, ckpt_dir: str | Path) -> None:
     """Save a sharded state dict ({"model": model.sharded_state_dict(), ...}) under ckpt_dir/model."""
     from megatron.core import dist_checkpointing  # optional backend: imported where used
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    # megatron-core 0.16 hands a save's write results to its caller through the queue of a multiprocessing Manager that
+    # it starts, once per process, by the spawn method: a new interpreter importing the main module (flytekit's CLI in a
+    # task), 2-5 s of the first save of every process, and each train task's processes are new ones. A synchronous save
+    # (every save here) puts and gets those results in the saving process itself, so a queue of that process does.
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
     out = Path(ckpt_dir) / MODEL_DIR
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
