@@ -53,7 +53,7 @@ def _samples(shown: pd.DataFrame, rows: int, mean_reward: float) -> str:
 
 
 def _table(columns: list[str], rows: list[list[str]]) -> str:
-    """An HTML table of text cells, escaped: what `DataFrame.to_html` makes of the same, in a tenth of its ~5 ms."""
+    """An HTML table of text cells, escaped: what `DataFrame.to_html` makes of the same, without its ~5 ms a deck."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
     return f'<table border="1"><thead><tr style="text-align: right;">{head}</tr></thead><tbody>{body}</tbody></table>'
