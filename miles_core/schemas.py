@@ -77,10 +77,11 @@ class _Flat:
 
     NUMBERS = (int, float, np.integer, np.floating)  # bool is an int
 
-    def __init__(self, rows: list):
+    def __init__(self, rows: list, kinds: set[type]):
+        """rows: lists, tuples or 1-D arrays; kinds: their types."""
         self.offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         self.offsets[1:] = np.cumsum([len(r) for r in rows])
-        if all(isinstance(r, np.ndarray) for r in rows):  # as parquet reads a list column
+        if all(issubclass(kind, np.ndarray) for kind in kinds):  # as parquet reads a list column
             self.types = frozenset(r.dtype.type for r in rows)
             self.values = np.concatenate(rows) if rows else np.zeros(0)
         else:
@@ -99,7 +100,7 @@ class _Flat:
         if any(issubclass(kind, np.ndarray) for kind in kinds) and any(r.ndim != 1 for r in rows if isinstance(r, np.ndarray)):
             return None
         try:
-            return cls(rows)
+            return cls(rows, kinds)
         except OverflowError:  # an integer beyond int64
             return None
 
@@ -259,7 +260,7 @@ def _passes(df: pd.DataFrame) -> pd.Series:
 
 def _lengths(column: pd.Series) -> pd.Series:
     """Per row: the length of its sequence (a list, tuple or array), -1 where it holds none."""
-    return pd.Series([len(v) if isinstance(v, SEQUENCES) else -1 for v in column.tolist()], index=column.index, dtype=np.int64)
+    return pd.Series([len(v) if _sized(v) else -1 for v in column.tolist()], index=column.index, dtype=np.int64)
 
 
 def _json_object(text) -> bool:
