@@ -9,7 +9,11 @@ tracking cost.
 Each stage's wall time is the gap between the ends of consecutive tasks. A task ends when flytekit uploads its
 outputs, which a local run copies under the run root: the newest file of an iteration's artifact (rollout batch,
 scored batch, checkpoint, policy) is written as its task returns. The log stage ends where `log_iteration` takes its
-timestamp, so the rest of that task counts to the next iteration's rollout stage. Peak RSS is the largest process the
+timestamp, so the rest of that task counts to the next iteration's rollout stage. The rollout, score and train stages'
+overhead splits in two by each task's own record of its whole body (`time/<stage>_task_s`): `in_task_s`, the body
+beside the compute (downloads, model and tokenizer loads, batch reads, writes and checks, checkpoint saves, decks),
+and `outside_task_s`, the rest of the stage (Flyte: input and output literals, cache look-ups and writes, uploads,
+task start; an Elastic task's worker start). Peak RSS is the largest process the
 run started (the workflow's, or a forked Elastic worker's).
 
     python bench/orchestration.py [--recipe recipes/tiny_arith_cpu.yaml] [--iterations 6] [key=value ...]
@@ -25,6 +29,7 @@ from measure import emit
 from runner import metric, mlflow_runs, run_workflow
 
 COMPUTE = {"rollout": "time_rollout_s", "score": "time_score_s", "train": "time_train_s"}
+BODY = {stage: f"time_{stage}_task_s" for stage in COMPUTE}  # each task's whole body, its own I/O included
 
 
 def task_ends(root: Path, stage: str) -> list[float]:
@@ -60,19 +65,20 @@ def main() -> None:
         run_workflow(args.recipe, root, tmp, f"iterations={args.iterations}", "evaluation.interval=1000", *args.overrides)
         total = time.perf_counter() - started
         client, (run,) = mlflow_runs(root)
-        series = {k: metric(client, run, k) for k in ("time_logged_at", *COMPUTE.values())}
+        series = {k: metric(client, run, k) for k in ("time_logged_at", *COMPUTE.values(), *BODY.values())}
         steps = sorted(series["time_logged_at"])
         walls = stage_walls(root, [series["time_logged_at"][s] for s in steps])
     iteration = [sum(stage) for stage in zip(*walls.values())]
     compute = [sum(series[k][s] for k in COMPUTE.values()) for s in steps[1:]]
     overheads = [w - c for w, c in zip(iteration, compute)]
-    stages = {
-        stage: {
-            "wall_s": median(wall),
-            "overhead_s": median([w - series[COMPUTE[stage]][s] for w, s in zip(wall, steps[1:])]) if stage in COMPUTE else median(wall),
+    stages = {stage: {"wall_s": median(wall), "overhead_s": median(wall)} for stage, wall in walls.items()}
+    for stage in COMPUTE:
+        wall, compute_s, body_s = walls[stage], series[COMPUTE[stage]], series[BODY[stage]]
+        stages[stage] |= {
+            "overhead_s": median([w - compute_s[s] for w, s in zip(wall, steps[1:])]),
+            "in_task_s": median([body_s[s] - compute_s[s] for s in steps[1:]]),  # the task's reads, writes, checks, loads, decks
+            "outside_task_s": median([w - body_s[s] for w, s in zip(wall, steps[1:])]),  # Flyte's: serialisation, cache, task start
         }
-        for stage, wall in walls.items()
-    }
     emit(
         {
             "bench": "orchestration",

@@ -147,7 +147,7 @@ def rollout(
     root: str,
     code: str,
 ) -> RolloutResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
-    fns = bind(rollout=cfg, reward=reward)
+    started, fns = time.perf_counter(), bind(rollout=cfg, reward=reward)
     source = plugin(data, "data", "source_fn")(_prompts(dataset.train, data), data.seed, state)
     policy_dir = policy.dir.download()
     tokenizer = load_tokenizer(policy_dir)
@@ -161,6 +161,7 @@ def rollout(
     left_out, left_dest = new_artifact(root, "rollout", iteration, *inputs, suffix=".buffer.parquet")
     write_batch(samples, out, **shape)
     left_file = uploaded_file(write_batch([s for g in left for s in g], left_out, scored=True, **shape), left_dest) if left else None
+    metrics["time/rollout_task_s"] = time.perf_counter() - started  # the task's whole body: its I/O beside time/rollout_s
     return RolloutResult(batch=uploaded_file(out, dest), state=source.state, metrics=metrics, buffer=left_file)
 
 
@@ -169,13 +170,14 @@ def rollout(
 def score(
     cfg: RewardConfig, hooks: HooksConfig, rollout: RolloutConfig, policy: Policy, batch: RolloutResult, iteration: int, root: str, code: str
 ) -> BatchResult:
-    policy_dir = policy.dir.download()
+    started, policy_dir = time.perf_counter(), policy.dir.download()
     shape = {"vocab_size": vocab_size(policy_dir), "group_size": rollout.n_samples}
     samples, tokenizer = read_batch(batch.batch.download(), **shape), load_tokenizer(policy_dir)
     metrics = score_batch(samples, bind(rollout=rollout, reward=cfg, hooks=hooks), tokenizer, iteration, batch.metrics)
     out, dest = new_artifact(root, "scored", iteration, cfg, hooks, uri_of(batch.batch), code, suffix=".parquet")
     write_batch(samples, out, scored=True, reward_range=(cfg.min, cfg.max), **shape)
     batch_decks(samples, tokenizer, metrics)  # the batch in the Flyte console: responses, histograms
+    metrics["time/score_task_s"] = time.perf_counter() - started
     return BatchResult(batch=uploaded_file(out, dest), metrics=metrics)
 
 
@@ -205,6 +207,7 @@ def train(
     code: str,
 ) -> TrainResult:
     """One RL step on every process (each trains its data-parallel rows); rank 0's result is the task's."""
+    started = time.perf_counter()
     _forked_worker()
     reference_dir = fetched(uri_of(reference.dir))  # each process its own copy (tasks/common.py fetched)
     samples = read_batch(
@@ -220,6 +223,7 @@ def train(
     fns, trace = bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks, health=health, distill=distill), {}
     step, metrics = train_checkpoint(cfg, fns, fetched(uri_of(ckpt.dir)), samples, reference_dir, out, iteration, trace)
     dump = train_outputs(samples, reference_dir, trace, metrics, (root, iteration, *inputs) if debug.dump_rollouts else None)
+    metrics["time/train_task_s"] = time.perf_counter() - started
     return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics, dump=dump)
 
 

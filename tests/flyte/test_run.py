@@ -40,6 +40,8 @@ def test_run_trains_and_tracks(smoke_run):
     assert len(client.get_metric_history(run.info.run_id, "eval_accuracy")) == 4  # SFT start + 3 iterations
     for key in ("train_loss", "train_clip_fraction", "train_entropy", "mismatch_abs_logprob_diff", "rollout_tokens_per_s", "time_train_s"):
         assert key in run.data.metrics
+    for stage in ("rollout", "score", "train"):  # each task's whole body holds its compute and its own I/O
+        assert run.data.metrics[f"time_{stage}_task_s"] >= run.data.metrics[f"time_{stage}_s"] > 0
     assert run.data.params["rollout.n_samples"] == "4"
     assert run.data.tags["policy_version"] == "4" and run.data.tags["parent_version"] == "1"
     assert {"config_hash", "data_hash", "flyte.execution_id", "policy_sha256"} <= set(run.data.tags)
