@@ -15,6 +15,7 @@ last token) of every sample that has any.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import json
 import math
@@ -118,10 +119,26 @@ class _Flat:
         return pd.Series(failed[self.offsets[1:]] == failed[self.offsets[:-1]], index=index)
 
 
+# What the checks of the batch `check_batch` is checking found of each column (its `_Flat`, its rows' lengths), kept
+# while it checks: ten checks read the same five sequence columns, each pass over a column a Python loop over its rows.
+_found: contextvars.ContextVar[dict | None] = contextvars.ContextVar("found", default=None)
+
+
+def _once(column: pd.Series, find):
+    """`find(column)`, found once per column while `check_batch` checks a frame (callers change nothing they get)."""
+    found = _found.get()
+    if found is None:
+        return find(column)
+    key = (find, column.name)
+    if key not in found:
+        found[key] = find(column)
+    return found[key]
+
+
 def _row_wise(column: pd.Series, fits, vectorized, element) -> pd.Series:
     """A per-row check of a column of number sequences: `vectorized(flat)` when the column flattens and `fits(flat)`,
     else `element(row)` for each row."""
-    flat = _Flat.of(column)
+    flat = _once(column, _Flat.of)
     if flat is not None and fits(flat):
         return flat.rows_all(vectorized(flat), column.index)
     return column.map(element).astype(bool)
@@ -260,6 +277,10 @@ def _passes(df: pd.DataFrame) -> pd.Series:
 
 def _lengths(column: pd.Series) -> pd.Series:
     """Per row: the length of its sequence (a list, tuple or array), -1 where it holds none."""
+    return _once(column, _count_lengths)
+
+
+def _count_lengths(column: pd.Series) -> pd.Series:
     return pd.Series([len(v) if _sized(v) else -1 for v in column.tolist()], index=column.index, dtype=np.int64)
 
 
@@ -292,11 +313,14 @@ def check_batch(
     vocab_size: token ids must be below it (the model config's vocab_size: every id the model can emit); group_size: the batch must be whole groups;
     distilled: a scored batch every sample of which carries the teacher's log-probs."""
     schema = DistilledBatchSchema if distilled else ScoredBatchSchema if scored else RolloutBatchSchema
+    checking = _found.set({})
     try:
         schema.validate(frame, lazy=True)
+        problems = [*_vocabulary_problems(frame, vocab_size), *_group_problems(frame, group_size)]
     except SchemaErrors as err:
         raise BatchError(f"batch {source}: {_describe(err, frame)}") from None
-    problems = [*_vocabulary_problems(frame, vocab_size), *_group_problems(frame, group_size)]
+    finally:
+        _found.reset(checking)
     if problems:
         raise BatchError(f"batch {source}: {'; '.join(problems[:4])}")
     if reward_range is not None:

@@ -66,3 +66,17 @@ def test_a_tasks_source_deck_is_highlighted_once_per_process_and_the_same_each_t
     assert SourceCodeRenderer().to_html("def f():\n    return 1\n") == first == "<pre>def f():\n    return 1\n</pre>"
     assert SourceCodeRenderer().to_html("def g():\n    return 2\n") == "<pre>def g():\n    return 2\n</pre>"
     assert highlighted == ["def f():\n    return 1\n", "def g():\n    return 2\n"]
+
+
+def test_the_mismatch_takes_each_samples_own_trained_tokens_of_a_padded_trace(decks):
+    """Responses of different lengths: the trainer's [B, T] log-probs are padded (9 here); only each row's own tokens
+    where its loss mask is set count, so the histogram spans exactly the three differences -0.5, -0.25, -0.25."""
+    samples = [
+        Sample("p0", 0, [5], [7, 8], [-1.0, -2.0], [1, 0], "stop", 0, "1", {}, reward=1.0),
+        Sample("p0", 1, [5], [7, 8, 9], [-0.5, -0.25, -0.75], [0, 1, 1], "stop", 0, "1", {}, reward=0.0),
+    ]
+    trace = {"advantages": torch.zeros(2, 3), "trainer_logprobs": torch.tensor([[-1.5, 9.0, 9.0], [9.0, -0.5, -1.0]])}
+    batch_decks(samples, CountingDecoder(), {}, trace)
+    mismatch = decks()["mismatch"]
+    assert "trainer - rollout log-prob per token (3)" in mismatch
+    assert '<text x="40" y="190" font-size="10">-0.5</text>' in mismatch and 'text-anchor="end">-0.25</text>' in mismatch
