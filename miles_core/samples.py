@@ -12,10 +12,12 @@ on-policy distillation the teacher's task adds the teacher's log-prob of each re
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 import pandas as pd
+import pyarrow
 
 
 @dataclass
@@ -56,19 +58,37 @@ def to_frame(samples: list[Sample]) -> pd.DataFrame:
 
 def from_frame(frame: pd.DataFrame) -> list[Sample]:
     """The samples of a checked batch, each value of the Python type its field declares."""
-    columns = [[_CONVERTERS[name](value) for value in frame[name].tolist()] for name in COLUMNS]
+    return from_table(pyarrow.Table.from_pandas(frame, preserve_index=False))
+
+
+def from_table(table: pyarrow.Table) -> list[Sample]:
+    """The samples of a checked batch as arrow holds it (a parquet file read), each value of the Python type its field
+    declares. Each column comes out as Python objects at once (`to_pylist`), not as an array per row turned into a list."""
+    columns = [_python_values(table.column(name), _CONVERTERS[name]) for name in COLUMNS]
     return [Sample(*values) for values in zip(*columns)]
 
 
+def _python_values(column: pyarrow.ChunkedArray, convert) -> list:
+    values = column.to_pylist()
+    native = _NATIVE.get(convert)
+    if native is not None and pyarrow.types.is_list(column.type) and native(column.type.value_type):
+        return values  # lists of Python ints (floats) already
+    return [convert(value) for value in values]
+
+
 def _ints(values) -> list[int]:
-    """A sequence of integers as Python ints: an integer array's at once (what parquet reads), else one by one."""
-    return values.tolist() if isinstance(values, np.ndarray) and values.dtype.kind in "iu" else [int(v) for v in values]
+    return [int(v) for v in values]
 
 
 def _floats(values) -> list[float]:
-    return values.tolist() if isinstance(values, np.ndarray) and values.dtype.kind == "f" else [float(v) for v in values]
+    return [float(v) for v in values]
 
 
+def _reward(value) -> float:
+    return math.nan if value is None else float(value)  # a missing reward (an unscored sample) is NaN, as in a Sample
+
+
+_NATIVE = {_ints: pyarrow.types.is_integer, _floats: pyarrow.types.is_floating}  # list columns arrow gives as they are
 _CONVERTERS = {
     "prompt_id": str,
     "index": int,
@@ -80,7 +100,7 @@ _CONVERTERS = {
     "weight_version": int,
     "label": str,
     "metadata": json.loads,
-    "reward": float,
+    "reward": _reward,
     "routed_experts": _ints,
     "teacher_logprobs": _floats,
 }
