@@ -3,8 +3,7 @@
 A process remembers the contents it wrote or read and checked (a digest of the parquet bytes, with the checks they
 passed, the newest REMEMBERED): reading back what a task before it in the same process wrote skips checking the same
 bytes again. A pod reads what another pod wrote and checks it; bytes that differ in any way are checked. The samples
-come from the arrow table read (`samples.from_table`: each column as Python values at once), in less than half the time
-pandas' frame of one array per row took.
+come from the arrow table read (`samples.from_table`: each column as Python values at once, not pandas' array per row).
 """
 
 from __future__ import annotations

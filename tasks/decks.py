@@ -4,7 +4,7 @@ A batch as flytekit decks: "samples", a table of the first `ROWS` responses with
 rows decoded: decoding the whole batch's texts cost ~15 ms of the score and the train task of every iteration for 16
 rows shown); "histograms", the batch's rewards and response lengths (inline SVG); and on the train task "mismatch", the
 train/rollout log-prob mismatch of the step (its `mismatch/*` metrics and the per-token difference of the trainer's and
-the rollout's log-probs on the trained tokens, taken from the whole batch at once: per sample it cost ~5 ms a step).
+the rollout's log-probs on the trained tokens, taken from the whole padded batch at once, not sample by sample).
 """
 
 from __future__ import annotations
