@@ -169,7 +169,7 @@ class RolloutBatchSchema(pa.DataFrameModel):
 
     @pa.check(*TOKEN_COLUMNS, name="non_empty", **EVERY_ROW)
     def non_empty(cls, tokens: Series[object]) -> Series[bool]:
-        return _lengths(tokens) > 0
+        return _per_row(tokens, _lengths(tokens) > 0)
 
     @pa.check(*TOKEN_COLUMNS, name="integer_ids", **EVERY_ROW)
     def integer_ids(cls, tokens: Series[object]) -> Series[bool]:
@@ -204,7 +204,7 @@ class RolloutBatchSchema(pa.DataFrameModel):
         if not _has(df, "aligned_lengths"):
             return _passes(df)
         n = _lengths(df["response_tokens"])
-        return (n >= 0) & (n == _lengths(df["rollout_logprobs"])) & (n == _lengths(df["loss_mask"]))
+        return _per_row(df, (n >= 0) & (n == _lengths(df["rollout_logprobs"])) & (n == _lengths(df["loss_mask"])))
 
     @pa.dataframe_check(name="teacher_logprobs_aligned", **EVERY_ROW)
     def teacher_logprobs_aligned(cls, df: pd.DataFrame) -> Series[bool]:
@@ -212,7 +212,7 @@ class RolloutBatchSchema(pa.DataFrameModel):
         if not _has(df, "teacher_logprobs_aligned"):
             return _passes(df)
         scored = _lengths(df["teacher_logprobs"])
-        return (scored == 0) | (scored == _lengths(df["response_tokens"]))
+        return _per_row(df, (scored == 0) | (scored == _lengths(df["response_tokens"])))
 
     @pa.dataframe_check(name="routing_per_position", **EVERY_ROW)
     def routing_per_position(cls, df: pd.DataFrame) -> Series[bool]:
@@ -221,15 +221,16 @@ class RolloutBatchSchema(pa.DataFrameModel):
             return _passes(df)
         fed = _lengths(df["prompt_tokens"]) + _lengths(df["response_tokens"]) - 1
         recorded = _lengths(df["routed_experts"])
-        width = (recorded // fed.clip(lower=1)).where(recorded > 0)
-        return (recorded == 0) | ((fed > 0) & (recorded == width * fed) & (width == width.max()))
+        width = recorded // np.maximum(fed, 1)
+        widest = width[recorded > 0].max(initial=0)  # the width of every sample that recorded any
+        return _per_row(df, (recorded == 0) | ((recorded > 0) & (fed > 0) & (recorded == width * fed) & (width == widest)))
 
     @pa.dataframe_check(name="sample_id_matches_group", **EVERY_ROW)
     def sample_id_matches_group(cls, df: pd.DataFrame) -> Series[bool]:
         if not _has(df, "sample_id_matches_group"):
             return _passes(df)
-        expected = [sample_id_of(p, i) for p, i in zip(df["prompt_id"], df["index"])]
-        return df["sample_id"] == pd.Series(expected, index=df.index, dtype=object)
+        matches = (s == sample_id_of(p, i) for s, p, i in zip(df["sample_id"].tolist(), df["prompt_id"].tolist(), df["index"].tolist()))
+        return _per_row(df, np.fromiter(matches, dtype=bool, count=len(df)))
 
     @pa.dataframe_check(name="one_label_per_group", **EVERY_ROW)
     def one_label_per_group(cls, df: pd.DataFrame) -> Series[bool]:
@@ -254,7 +255,7 @@ class DistilledBatchSchema(ScoredBatchSchema):
 
     @pa.check("teacher_logprobs", name="teacher_scored", **EVERY_ROW)
     def teacher_scored(cls, values: Series[object]) -> Series[bool]:
-        return _lengths(values) > 0
+        return _per_row(values, _lengths(values) > 0)
 
 
 # The columns each row-wise check reads: named in its error, and a missing one is reported once, as missing.
@@ -275,13 +276,18 @@ def _passes(df: pd.DataFrame) -> pd.Series:
     return pd.Series(True, index=df.index)
 
 
-def _lengths(column: pd.Series) -> pd.Series:
+def _per_row(rows: pd.Series | pd.DataFrame, verdicts: np.ndarray) -> pd.Series:
+    """A check's verdict per row, as pandera takes it: on the rows' own index."""
+    return pd.Series(verdicts, index=rows.index)
+
+
+def _lengths(column: pd.Series) -> np.ndarray:
     """Per row: the length of its sequence (a list, tuple or array), -1 where it holds none."""
     return _once(column, _count_lengths)
 
 
-def _count_lengths(column: pd.Series) -> pd.Series:
-    return pd.Series([len(v) if _sized(v) else -1 for v in column.tolist()], index=column.index, dtype=np.int64)
+def _count_lengths(column: pd.Series) -> np.ndarray:
+    return np.fromiter((len(v) if _sized(v) else -1 for v in column.tolist()), dtype=np.int64, count=len(column))
 
 
 def _json_object(text) -> bool:
