@@ -41,13 +41,13 @@ def batch_decks(samples: list[Sample], tokenizer, metrics: dict[str, float], tra
     Deck("samples", _samples(samples[:ROWS], tokenizer, trace, len(samples), float(np.mean(rewards))))
     Deck("histograms", _figure([("reward", rewards), ("response length (tokens)", lengths)]))
     if trace and "trainer_logprobs" in trace:
-        Deck("mismatch", _mismatch(samples, trace["trainer_logprobs"], metrics))
+        Deck("mismatch", _mismatch(samples, lengths, trace["trainer_logprobs"], metrics))
 
 
 def _samples(shown: list[Sample], tokenizer, trace: dict | None, rows: int, mean_reward: float) -> str:
     """The table of the rows shown, their texts decoded; with the step's advantages (`trace`) each row's mean."""
-    advantages = per_token(trace, "advantages", [len(s.response_tokens) for s in shown])
-    traced = trace is not None and "advantages" in trace
+    advantages = per_token(trace, "advantages", [len(s.response_tokens) for s in shown])  # None per row untraced
+    traced = any(a is not None for a in advantages)
     table = [
         [
             s.sample_id,
@@ -73,10 +73,10 @@ def _table(columns: list[str], rows: list[list[str]]) -> str:
     return f'<table border="1"><thead><tr style="text-align: right;">{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def _mismatch(samples: list[Sample], trainer_logprobs: torch.Tensor, metrics: dict[str, float]) -> str:
+def _mismatch(samples: list[Sample], response_lengths: list[int], trainer_logprobs: torch.Tensor, metrics: dict[str, float]) -> str:
     """The step's mismatch metrics and the histogram of trainer - rollout log-prob on the tokens trained on;
     trainer_logprobs: [B, T], each row's response tokens first."""
-    lengths = np.array([len(s.response_tokens) for s in samples])
+    lengths = np.asarray(response_lengths)
     trainer = trainer_logprobs.detach().float().cpu().numpy()  # [B, T]
     own = np.arange(trainer.shape[1]) < lengths[:, None]  # [B, T] each row's own tokens, in the order they are joined
     rollout = np.fromiter(itertools.chain.from_iterable(s.rollout_logprobs for s in samples), dtype=np.float64, count=lengths.sum())
