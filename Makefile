@@ -30,8 +30,9 @@ run: setup
 	tmp="$$(mktemp -d)" && trap 'rm -rf "$$tmp"' EXIT INT TERM && cfg="$$($(PY) -m miles_core.config $(RECIPE) $(ARGS))" && \
 	TMPDIR="$$tmp" $(VENV)/bin/pyflyte run workflows/rl.py rl --cfg "$$cfg"
 
-# Two test processes (pytest-xdist), each taking whole files so a file's shared runs happen once (three were measured
-# slower: 46+ minutes against 34, every test starved by the others). Torch keeps its default threads: the learning
+# Two test processes (pytest-xdist), each taking whole files so a file's shared runs happen once, the longest files first
+# (tests/conftest.py LONGEST_FIRST, an order --no-loadscope-reorder keeps). Three processes were measured slower: 46+
+# minutes against 34, every test starved by the others. Torch keeps its default threads: the learning
 # tier's runs are deterministic for a thread count, and the megatron run of tests/flyte/test_learning.py learns less at
 # one thread (+8.6 points, under its margin) than at two. With two workers and their subprocesses sharing 2 cores,
 # OpenMP threads that wait sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE): the same numbers, bit for bit, without
@@ -41,7 +42,7 @@ run: setup
 test: setup sglang-env
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	tmp="$$(mktemp -d)" && if TMPDIR="$$tmp" OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --durations=15; \
+	tmp="$$(mktemp -d)" && if TMPDIR="$$tmp" OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15; \
 	then rm -rf "$$tmp"; else status=$$?; echo "the tests' temporary files are kept in $$tmp"; exit $$status; fi
 
 test-fast: setup
@@ -55,7 +56,7 @@ test-twins: setup
 # family's recipe through a real pyflyte run at smoke size (their arithmetic is in tests/unit/test_algos*.py), and
 # megatron-core at TP/PP/EP sizes with resharding and each MLA/MoE family's step (tests/integration/test_megatron_parallel.py).
 test-slow: setup
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile -m "algorithm_families or megatron_parallel" tests/flyte/test_families.py tests/integration/test_megatron_parallel.py
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "algorithm_families or megatron_parallel" tests/flyte/test_families.py tests/integration/test_megatron_parallel.py
 
 # The slower tier: every model family at tiny size launched in the real SGLang server on CPU (one launch each).
 test-sglang-families: setup sglang-env

@@ -17,24 +17,38 @@ REPO = Path(__file__).resolve().parents[1]
 # tests/flyte), and a temporary file hypothesis wrote and removed meanwhile under ./.hypothesis failed that hash
 set_hypothesis_home_dir(user_cache() / "miles-flyte" / "hypothesis")
 PYFLYTE = Path(sys.executable).parent / "pyflyte"
-# The files that take minutes (pytest --durations), longest first. `make test` hands whole files to two workers in
-# collection order (xdist --dist loadfile): started first, they run beside the short files instead of after them.
+# The files that take half a minute or more (pytest --durations), longest first. `make test` hands whole files to two
+# workers in collection order (xdist --dist loadfile --no-loadscope-reorder; by default xdist orders files by their
+# number of tests instead): started first, they run beside the short files instead of after them.
 LONGEST_FIRST = (
     "tests/flyte/test_learning.py",
-    "tests/pods/test_async_pods.py",
+    "tests/integration/test_async_phase.py",
     "tests/pods/test_rl_pods.py",
+    "tests/integration/test_sglang.py",
+    "tests/pods/test_async_pods.py",
     "tests/flyte/test_run.py",
+    "tests/pods/test_convert_pods.py",
+    "tests/integration/test_distill_learning.py",
     "tests/flyte/test_async_run.py",
     "tests/flyte/test_megatron_run.py",
-    "tests/integration/test_async_phase.py",
-    "tests/flyte/test_cache_code.py",
-    "tests/integration/test_distill_learning.py",
     "tests/flyte/test_replay.py",
-    "tests/integration/test_sglang.py",
+    "tests/integration/test_sglang_families.py",
+    "tests/integration/test_sglang_lora.py",
+    "tests/flyte/test_cache_code.py",
+    "tests/integration/test_lora_learning.py",
+    "tests/flyte/test_distill.py",
+    "tests/unit/test_checkpoint_megatron.py",
+    "tests/flyte/test_launch_plans.py",
+    "tests/integration/test_step_parity.py",
+    "tests/integration/test_sglang_speculative.py",
+    "tests/unit/test_start_up.py",
     "tests/flyte/test_multi_turn_workflow.py",
-    "tests/pods/test_convert_pods.py",
-    "tests/flyte/test_recipe_file.py",
+    "tests/unit/test_int4.py",
+    "tests/unit/test_quantize.py",
     "tests/flyte/test_debug_modes.py",
+    "tests/flyte/test_recipe_file.py",
+    "tests/flyte/test_memory.py",
+    "tests/integration/test_sglang_env.py",
     "tests/integration/test_megatron_parallel.py",
     "tests/flyte/test_families.py",
 )

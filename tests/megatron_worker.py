@@ -367,3 +367,8 @@ if __name__ == "__main__":
     result = handlers[command](Path(root), *args) if command in ("convert", "lora") else handlers[command](*args)
     if result.get("rank", 0) == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    # the ranks leave their groups together: a rank that exits with its gloo group alive while another rank still uses
+    # theirs can abort at exit ("terminate called without an active exception", SIGABRT)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
