@@ -47,14 +47,17 @@ KERNELS = {"cuda": ["transformer-engine[pytorch]>=2.8"], "rocm": []}  # megatron
 APT = ["bubblewrap"]  # the code sandbox (miles_core/tools/sandbox.py)
 
 
-def _with_code(**spec) -> ImageSpec:
-    """An image of the registry with the repository's files copied in (source_root, git's ignores apply)."""
+def _with_code(commands: tuple[str, ...] = (), **spec) -> ImageSpec:
+    """An image of the registry with the repository's files copied in (source_root, git's ignores apply) and compiled,
+    after `commands`: each pod's Python reads the project's bytecode instead of compiling its ~120 modules at every
+    start (1.3 s of a task pod's 9 s start on 2 cores, tests/pods)."""
     return ImageSpec(
         python_version="3.11",
         registry=REGISTRY,
         apt_packages=APT,
         source_root=str(REPO),
         source_copy_mode=CopyFileDetection.ALL,
+        commands=[*commands, "python -m compileall -q /root"],
         **spec,
     )
 
@@ -76,10 +79,10 @@ sglang_image = _gpu_image(
     "cuda",
     CUDA_BASE,
     name="miles-flyte-sglang",
-    commands=[  # run after the repository's files are copied to /root
+    commands=(  # run after the repository's files are copied to /root
         f"python -m venv {SGLANG_ENV}",
         f"{SGLANG_ENV}/bin/pip install --no-cache-dir --require-hashes --no-deps -r /root/containers/sglang/requirements.lock",
-    ],
+    ),
     env={"MILES_SGLANG_ENV": SGLANG_ENV},
 )
 

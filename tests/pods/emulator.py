@@ -18,6 +18,7 @@ interruptible (they are checked in the compiled spec), a multi-node Elastic job 
 
 from __future__ import annotations
 
+import compileall
 import hashlib
 import logging
 import os
@@ -137,12 +138,15 @@ class Cluster:
 
     @staticmethod
     def _image_code(dest: Path, extra_code: tuple[str, ...]) -> Path:
-        """The project's packages (and `extra_code`, files relative to the repo) copied read-only: the code an image holds."""
+        """The project's packages (and `extra_code`, files relative to the repo) copied and compiled, read-only: the code an
+        image holds (containers/images.py compiles it as the image is built)."""
         for package in CODE_PACKAGES:
             shutil.copytree(REPO / package, dest / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         for name in (*CODE_FILES, *extra_code):
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(REPO / name, dest / name)
+        if not compileall.compile_dir(dest, quiet=1):
+            raise AssertionError(f"the image's code in {dest} does not compile")
         for path in [dest, *dest.rglob("*")]:
             path.chmod(path.stat().st_mode & ~0o222)
         return dest

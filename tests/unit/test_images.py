@@ -53,6 +53,12 @@ def test_every_image_holds_the_repository_but_not_what_git_ignores(contexts):
         assert not (src / ".venv").exists() and not (src / "runs").exists()
 
 
+def test_every_image_compiles_the_code_it_copied(contexts):
+    """A pod's Python reads the project's bytecode from the image instead of compiling every module at its start."""
+    for dockerfile, _, _ in contexts.values():
+        assert dockerfile.index("COPY --chown=flytekit ./src /root") < dockerfile.index("python -m compileall -q /root")
+
+
 def test_the_sglang_image_installs_sglang_in_its_own_environment_after_the_code(contexts):
     dockerfile, _, _ = contexts["sglang_image"]
     install = "/opt/sglang/bin/pip install --no-cache-dir --require-hashes --no-deps -r /root/containers/sglang/requirements.lock"
