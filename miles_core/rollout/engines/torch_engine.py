@@ -53,6 +53,7 @@ from miles_core.models.families import needs_equal_length_batches
 from miles_core.models.loading import load_causal_lm
 from miles_core.models.mtp import has_head, load_head
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from miles_core.rollout.engines.dense_decode import DenseDecoder, covers
 from miles_core.rollout.sampling import sample_next_tokens
 from miles_core.rollout.speculative import Speculator
 from miles_core.routing import RouterTaps
@@ -148,7 +149,8 @@ class TorchEngine:
     decides which sequences share a batch and where each draws from the RNG stream).  In a batch, each
     run of equal prompts is prefilled once and its cache copied to its rows (`Cache.reorder_cache`,
     which every transformers cache layer implements for beam search); the prefill draws nothing, so
-    every row draws from the stream where it did when each row was prefilled.
+    every row draws from the stream where it did when each row was prefilled. The decode steps of a dense Llama-family
+    model (Llama, Qwen2, Qwen3) are computed from its weights (dense_decode.py), every other model's through HF's forward.
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class TorchEngine:
         self.base_dir = base_dir
         self.base_sha256 = ""  # of the base model under the loaded adapters ("": full weights loaded)
         self.built_from: tuple[bytes | None, ...] | None = None  # the config files of the model built (_reload)
+        self.dense: tuple[object, DenseDecoder | None] = (None, None)  # (the model, its dense decoder)
         self.load_weights(policy_dir, version)
 
     def load_weights(self, policy_dir: str, version: int) -> None:
@@ -328,6 +331,9 @@ class TorchEngine:
         mask = torch.ones((batch, width + params.max_new_tokens), dtype=attention_mask.dtype, device=device)  # [B, L + S], sliced per step
         mask[:, :width] = attention_mask[rows]
         position = position_ids[rows, -1:]  # [B, 1]
+        dense = self._dense_decoder() if self.taps is None else None  # a dense Llama-family model's steps from its weights
+        if dense is not None:
+            dense.start(cache, width + params.max_new_tokens)
         for step in range(params.max_new_tokens):
             next_tokens, next_logprobs = sample_next_tokens(logits, params, generator, overwrite=True)
             tokens[:, step] = next_tokens.masked_fill_(finished, self.pad_token_id)
@@ -336,8 +342,17 @@ class TorchEngine:
             if step + 1 == params.max_new_tokens or bool(finished.all()):
                 break
             position = position + 1
-            logits = self._forward(next_tokens[:, None], mask[:, : width + step + 1], position, cache, routing)
+            if dense is not None:
+                logits = dense.step(next_tokens[:, None], position, mask[:, : width + step + 1])
+            else:
+                logits = self._forward(next_tokens[:, None], mask[:, : width + step + 1], position, cache, routing)
         return tokens[:, : step + 1], logprobs[:, : step + 1], torch.cat(routing, dim=1) if routing else None
+
+    def _dense_decoder(self) -> DenseDecoder | None:
+        """The dense decoder of the model loaded (dense_decode.py), None where it does not cover the model."""
+        if self.dense[0] is not self.model:
+            self.dense = (self.model, DenseDecoder(self.model) if covers(self.model) else None)
+        return self.dense[1]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Generation]:
         drafted = accepted = torch.zeros(len(prompts), dtype=torch.long)
