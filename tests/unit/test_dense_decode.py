@@ -36,11 +36,11 @@ def build(path, config, seed: int) -> str:
 def both_ways(engine: TorchEngine, params: SamplingParams) -> tuple[list, list]:
     """The engine's generations through the dense decoder, then through HF's forward (the decoder set aside)."""
     dense = engine.generate(PROMPTS, params)
-    engine.dense = (engine.model, None)
+    decoder, engine.dense = engine.dense, None
     try:
         return dense, engine.generate(PROMPTS, params)
     finally:
-        engine.dense = (None, None)
+        engine.dense = decoder
 
 
 def assert_same(dense: list, hf: list) -> None:
@@ -54,7 +54,7 @@ def assert_same(dense: list, hf: list) -> None:
 @pytest.mark.parametrize("how", PARAMS)
 def test_the_dense_decoder_gives_hfs_tokens_and_logprobs(family, how, tmp_path):
     engine = TorchEngine(build(tmp_path / "policy", FAMILIES[family](), seed=0))
-    assert engine._dense_decoder() is not None
+    assert engine.dense is not None
     dense, hf = both_ways(engine, PARAMS[how])
     assert {len(g.tokens) for group in dense for g in group} != {1}  # responses of several lengths, not all stopped at once
     assert_same(dense, hf)

@@ -43,27 +43,28 @@ def covers(model) -> bool:
 
 
 class _Layer:
-    """One decoder layer's weights as a step uses them: q, k, v stacked, gate and up stacked."""
+    """One decoder layer as a step uses it: its shape, and its weights with q, k, v stacked and gate and up stacked
+    (stacked again when a load replaced or changed any of them: `_version` counts in-place writes)."""
 
     def __init__(self, layer):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.attn, self.mlp, self.layer = attn, mlp, layer
-        self.sources = [getattr(attn, name).weight for name in _PROJECTIONS[:3]] + [mlp.gate_proj.weight, mlp.up_proj.weight]
-        self.versions = None
+        attn = layer.self_attn
+        self.layer, self.attn, self.mlp = layer, attn, layer.mlp
+        self.heads, self.kv_heads, self.dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+        self.head_norms = hasattr(attn, "q_norm")  # Qwen3: each head's query and key normalized before the rotation
+        self.stacked_from: list[tuple[torch.Tensor, int]] = []
         self.refresh()
 
     def refresh(self) -> None:
-        """Stack the projections again where any of their weights changed (an in-place load bumps `_version`)."""
-        versions = [w._version for w in self.sources]
-        if versions == self.versions:
+        attn, mlp = self.attn, self.mlp
+        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+        if len(weights) == len(self.stacked_from) and all(w is s and w._version == v for w, (s, v) in zip(weights, self.stacked_from)):
             return
-        attn = self.attn
         with torch.no_grad():
-            self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            self.qkv = torch.cat(weights[:3])
             biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
             self.qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
-            self.gate_up = torch.cat([self.mlp.gate_proj.weight, self.mlp.up_proj.weight])
-        self.versions = versions
+            self.gate_up = torch.cat(weights[3:])
+        self.stacked_from = [(w, w._version) for w in weights]
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -109,12 +110,11 @@ class DenseDecoder:
         cos, sin = cos[:, None], sin[:, None]  # [B, 1 (heads), 1, head_dim]
         attend = None if bool(mask.all()) else mask.bool()[:, None, None, :]  # [B, 1, 1, filled + 1]
         for layer, keys, values in zip(self.layers, self.keys, self.values):
-            attn = layer.attn
-            heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+            attn, heads, kv_heads, dim = layer.attn, layer.heads, layer.kv_heads, layer.dim
             qkv = F.linear(_rms_norm(layer.layer.input_layernorm, x), layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
             q, k = q.view(-1, 1, heads, dim), k.view(-1, 1, kv_heads, dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: each head's query and key normalized before the rotation
+            if layer.head_norms:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = _rotate(q.transpose(1, 2), cos, sin)
             keys[:, :, at] = _rotate(k.transpose(1, 2), cos, sin)[:, :, 0]

@@ -180,7 +180,6 @@ class TorchEngine:
         self.base_dir = base_dir
         self.base_sha256 = ""  # of the base model under the loaded adapters ("": full weights loaded)
         self.built_from: tuple[bytes | None, ...] | None = None  # the config files of the model built (_reload)
-        self.dense: tuple[object, DenseDecoder | None] = (None, None)  # (the model, its dense decoder)
         self.load_weights(policy_dir, version)
 
     def load_weights(self, policy_dir: str, version: int) -> None:
@@ -201,6 +200,7 @@ class TorchEngine:
         self.equal_length_batches = needs_equal_length_batches(model.config)
         self.pad_token_id = _read_pad_token_id(model_dir, model)
         self.model, self.built_from = model, built_from(model_dir)
+        self.dense = DenseDecoder(model) if covers(model) else None  # a dense Llama-family model's steps from its weights
         self.taps = RouterTaps(model) if self.record_routing else None
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         OneDnnHead.install(model)
@@ -225,7 +225,7 @@ class TorchEngine:
             if weights_sha256(self.base_dir) != base_sha256:
                 raise CheckpointError(f"{adapter_dir}/policy.json: base_sha256 {base_sha256} is not the sha256 of the base model in {self.base_dir}")
             self._load_model(self.base_dir)
-            self.model = PeftModel.from_pretrained(self.model, adapter_dir, adapter_name=name)
+            self.model, self.dense = PeftModel.from_pretrained(self.model, adapter_dir, adapter_name=name), None
             self.base_sha256 = base_sha256
             return
         previous = self.model.active_adapter
@@ -331,7 +331,7 @@ class TorchEngine:
         mask = torch.ones((batch, width + params.max_new_tokens), dtype=attention_mask.dtype, device=device)  # [B, L + S], sliced per step
         mask[:, :width] = attention_mask[rows]
         position = position_ids[rows, -1:]  # [B, 1]
-        dense = self._dense_decoder() if self.taps is None else None  # a dense Llama-family model's steps from its weights
+        dense = self.dense if self.taps is None else None
         if dense is not None:
             dense.start(cache, width + params.max_new_tokens)
         for step in range(params.max_new_tokens):
@@ -347,12 +347,6 @@ class TorchEngine:
             else:
                 logits = self._forward(next_tokens[:, None], mask[:, : width + step + 1], position, cache, routing)
         return tokens[:, : step + 1], logprobs[:, : step + 1], torch.cat(routing, dim=1) if routing else None
-
-    def _dense_decoder(self) -> DenseDecoder | None:
-        """The dense decoder of the model loaded (dense_decode.py), None where it does not cover the model."""
-        if self.dense[0] is not self.model:
-            self.dense = (self.model, DenseDecoder(self.model) if covers(self.model) else None)
-        return self.dense[1]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Generation]:
         drafted = accepted = torch.zeros(len(prompts), dtype=torch.long)
