@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -19,7 +20,8 @@ def mlflow_server(backend_store: str, *artifact_args: str):
     port = free_port()
     mlflow = Path(sys.executable).parent / "mlflow"
     command = [str(mlflow), "server", "--backend-store-uri", backend_store, *artifact_args, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job runners (seven huey processes): nothing here submits jobs
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:

@@ -3,16 +3,20 @@
 Runs at interpreter start-up of every process of that environment (server, scheduler,
 detokenizer). Only when SGLANG_USE_CPU_ENGINE=1 (and MILES_SGLANG_CPU_STANDINS is not "0", which
 tests use to show the stand-ins are still needed) it
-* puts the pure-torch `sgl_kernel` stand-in ahead of the CUDA-only wheel on sys.path, and
-* makes `torch.get_device_module()` (no argument) answer `torch.cpu` when no GPU is usable:
-  the CUDA build of torch otherwise returns `torch.cuda`, and SGLang's weight updater calls
-  `.synchronize()` on it, which fails without a driver. The replacement is cached like the
-  original (`functools.cache`), so it keeps the `__wrapped__` that torch.compile's tracer looks
-  up (without it every `torch.compile`d SGLang function fails, e.g. the MoE biased grouped top-k), and
-* makes pinning a host buffer a no-op: the routed-experts capturer (--enable-return-routed-experts)
-  registers its host cache with cudaHostRegister on any device, and the LoRA layers, memory pool and
-  torch_native LoRA backend (--enable-lora) allocate with `pin_memory=True` or call `.pin_memory()`;
-  all of it fails without a driver, and on a CPU server every buffer is ordinary memory already.
+* puts the pure-torch `sgl_kernel` stand-in ahead of the CUDA-only wheel on sys.path,
+* hides the GPU-only kernel libraries SGLang imports when present (flashinfer, and the CuTe DSL `cutlass` it probes):
+  none of it runs on the CPU engine, and importing it cost each process about two seconds, and
+* patches torch once a process imports it (the processes that never do, such as multiprocessing's resource tracker,
+  start without it). When no GPU is usable
+  - `torch.get_device_module()` (no argument) answers `torch.cpu`:
+    the CUDA build of torch otherwise returns `torch.cuda`, and SGLang's weight updater calls
+    `.synchronize()` on it, which fails without a driver. The replacement is cached like the
+    original (`functools.cache`), so it keeps the `__wrapped__` that torch.compile's tracer looks
+    up (without it every `torch.compile`d SGLang function fails, e.g. the MoE biased grouped top-k), and
+  - pinning a host buffer is a no-op: the routed-experts capturer (--enable-return-routed-experts)
+    registers its host cache with cudaHostRegister on any device, and the LoRA layers, memory pool and
+    torch_native LoRA backend (--enable-lora) allocate with `pin_memory=True` or call `.pin_memory()`;
+    all of it fails without a driver, and on a CPU server every buffer is ordinary memory already.
 Pinned to one SGLang version: another version stops with a message instead of half-working.
 """
 
@@ -23,6 +27,7 @@ import os
 import sys
 
 PINNED_SGLANG = "0.5.23"
+GPU_ONLY = ("flashinfer", "cutlass")
 
 
 def _activate() -> None:
@@ -35,8 +40,11 @@ def _activate() -> None:
             f"this environment has {found}: rebuild it with `make sglang-env`"
         )
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "miles_sglang_cpu"))
-    import torch
+    sys.modules.update(dict.fromkeys(GPU_ONLY))  # `import` raises ImportError, importlib.util.find_spec answers None
+    _after_import("torch", _without_gpu)
 
+
+def _without_gpu(torch) -> None:
     if torch.cuda.is_available():
         return
     by_device = torch.get_device_module
