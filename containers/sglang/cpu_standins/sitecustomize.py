@@ -12,11 +12,12 @@ tests use to show the stand-ins are still needed) it
     the CUDA build of torch otherwise returns `torch.cuda`, and SGLang's weight updater calls
     `.synchronize()` on it, which fails without a driver. The replacement is cached like the
     original (`functools.cache`), so it keeps the `__wrapped__` that torch.compile's tracer looks
-    up (without it every `torch.compile`d SGLang function fails, e.g. the MoE biased grouped top-k), and
+    up (without it every `torch.compile`d SGLang function fails, e.g. the MoE biased grouped top-k),
   - pinning a host buffer is a no-op: the routed-experts capturer (--enable-return-routed-experts)
     registers its host cache with cudaHostRegister on any device, and the LoRA layers, memory pool and
     torch_native LoRA backend (--enable-lora) allocate with `pin_memory=True` or call `.pin_memory()`;
-    all of it fails without a driver, and on a CPU server every buffer is ordinary memory already.
+    all of it fails without a driver, and on a CPU server every buffer is ordinary memory already, and
+  - the server's scheduler and detokenizer processes are forked instead of spawned (`_forked_not_spawned`).
 Pinned to one SGLang version: another version stops with a message instead of half-working.
 """
 
@@ -56,6 +57,17 @@ def _without_gpu(torch) -> None:
     torch.get_device_module = get_device_module
     _after_import("sglang.srt.mem_cache.pool_host.common", lambda module: setattr(module, "_cuda_host_register", lambda *args, **kwargs: None))
     _unpinned(torch)
+    _forked_not_spawned()
+
+
+def _forked_not_spawned() -> None:
+    """The start method SGLang sets for its scheduler and detokenizer processes, `spawn`, taken as `fork`: a spawned
+    process imports SGLang, torch and transformers anew (about fifteen seconds of CPU each here), a forked one has them
+    already. Spawn keeps a child clear of its parent's CUDA context; without a GPU there is none."""
+    import multiprocessing
+
+    chosen = multiprocessing.set_start_method
+    multiprocessing.set_start_method = lambda method, force=False: chosen("fork" if method == "spawn" else method, force=force)
 
 
 def _unpinned(torch) -> None:
