@@ -1,6 +1,6 @@
 """The SGLang engine against a real SGLang 0.5.23 server on CPU (its own environment, `make sglang-env`).
 
-One launched server is shared by every test of the module (start-up about a minute); the restart
+One launched server is shared by every test of the module (its start-up takes half a minute here); the restart
 test kills it and lets the engine start it again, and a smoke-size workflow run attaches to it. Nothing is mocked: the "never healthy" test
 attaches to a real HTTP server that answers 404 on /health.
 """
