@@ -5,6 +5,8 @@ loads its CPU kernels from the wheel's `sgl_kernel` (a CUDA-only operator librar
 module, whose synchronize() fails without a driver. Sufficient: with them every module that
 imports a CPU kernel loads, the stand-in kernels compute what the kernels document, and
 (tests/integration/test_sglang.py) a server serves, updates weights and generates.
+Faster: a process that never imports torch starts without it, the GPU-only kernel libraries are hidden, and the
+server's scheduler and detokenizer are forked where SGLang asks for `spawn`.
 Each check runs in the SGLang environment's own python, as the server does.
 """
 
@@ -54,6 +56,17 @@ assert compiled(torch.zeros(2)).tolist() == [1.5, 1.5]
 print("ok")
 """
 
+START_UP_CHECK = """
+import importlib.util, inspect, multiprocessing, sys
+assert "torch" not in sys.modules
+assert importlib.util.find_spec("flashinfer") is None and importlib.util.find_spec("cutlass") is None
+import sglang.srt.entrypoints.engine as engine
+assert 'mp.set_start_method("spawn", force=True)' in inspect.getsource(engine), "SGLang no longer asks for spawn: drop the fork"
+multiprocessing.set_start_method("spawn", force=True)
+assert multiprocessing.get_start_method() == "fork"
+print("ok")
+"""
+
 
 def run_in_sglang_env(code: str, standins: bool) -> subprocess.CompletedProcess:
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "MILES_SGLANG_CPU_STANDINS": "1" if standins else "0"}
@@ -71,4 +84,9 @@ def test_sglang_cpu_path_fails_at_import_without_the_standins():
 
 def test_standins_load_every_cpu_kernel_importer_and_compute_correctly():
     out = run_in_sglang_env("\n".join(f"import {m}" for m in CPU_KERNEL_IMPORTERS) + "\n" + STANDIN_KERNELS_CHECK, standins=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_a_cpu_server_process_starts_without_gpu_libraries_and_forks_its_children():
+    out = run_in_sglang_env(START_UP_CHECK, standins=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
