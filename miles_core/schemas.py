@@ -287,6 +287,9 @@ def _lengths(column: pd.Series) -> np.ndarray:
 
 
 def _count_lengths(column: pd.Series) -> np.ndarray:
+    flat = _once(column, _Flat.of)  # the number checks flatten the same columns: its offsets hold every row's length
+    if flat is not None:
+        return np.diff(flat.offsets)
     return np.fromiter((len(v) if _sized(v) else -1 for v in column.tolist()), dtype=np.int64, count=len(column))
 
 
