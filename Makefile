@@ -14,11 +14,24 @@ export TOKENIZERS_PARALLELISM := false
 setup: $(STAMP)
 
 # Every package at the exact version and hash of requirements.lock (CPU torch included, so nothing
-# pulls a CUDA build), then the project itself without resolving anything.
-$(STAMP): pyproject.toml requirements.lock
+# pulls a CUDA build), then the project itself without resolving anything. uv installs them (about
+# four times faster than pip here, bytecode compiled as pip does) from its own environment in the user
+# cache, so .venv holds the lock and nothing else; it does not read pip's configuration, so the wheel
+# folders pip is pointed at (PIP_FIND_LINKS, else pip's config) are passed on.
+USER_CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/miles-flyte
+UV := $(USER_CACHE)/uv/bin/uv
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON_BASE) -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL := $(UV) pip install --quiet --python $(PY) --no-deps $(addprefix --find-links ,$(FIND_LINKS))
+
+$(UV): requirements-uv.lock
+	test -x $(USER_CACHE)/uv/bin/python || $(PYTHON_BASE) -m venv $(USER_CACHE)/uv
+	$(USER_CACHE)/uv/bin/pip install --quiet --require-hashes --no-deps -r requirements-uv.lock
+	touch $@
+
+$(STAMP): pyproject.toml requirements.lock $(UV)
 	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
-	$(PY) -m pip install --quiet --require-hashes --no-deps -r requirements.lock
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(UV_INSTALL) --require-hashes --compile-bytecode -r requirements.lock
+	$(UV_INSTALL) --no-build-isolation -e .
 	$(PY) -m pip check
 	command -v bwrap >/dev/null || apt-get install -y bubblewrap || sudo apt-get install -y bubblewrap  # code sandbox
 	touch $@
@@ -76,14 +89,15 @@ bench: setup
 	$(PY) bench/lora.py
 	$(PY) bench/speculative.py
 
-# Refresh the locks: resolve pyproject.toml (and the SGLang image's requirements) anew, newest
+# Refresh the locks: resolve pyproject.toml (and the SGLang image's requirements, and uv) anew, newest
 # versions allowed by their ranges, with hashes. tests/unit/test_lock.py fails when they disagree.
-LOCK_TOOL := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/miles-flyte/pip-tools
+LOCK_TOOL := $(USER_CACHE)/pip-tools
 PIP_COMPILE := $(LOCK_TOOL)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --no-emit-index-url --no-emit-find-links
 lock:
 	test -x $(LOCK_TOOL)/bin/pip-compile || ($(PYTHON_BASE) -m venv $(LOCK_TOOL) && $(LOCK_TOOL)/bin/pip install --quiet pip-tools==7.6.2)
 	CUSTOM_COMPILE_COMMAND="make lock" $(PIP_COMPILE) --extra test --strip-extras -o requirements.lock pyproject.toml
 	CUSTOM_COMPILE_COMMAND="make lock" $(PIP_COMPILE) -o containers/sglang/requirements.lock containers/sglang/requirements.in
+	CUSTOM_COMPILE_COMMAND="make lock" $(PIP_COMPILE) -o requirements-uv.lock requirements-uv.in
 
 # The Flyte cache remembers artifact paths under runs/: forget both together.
 clean:
@@ -95,7 +109,7 @@ clean:
 # and the project's .venv never imports sglang. The CPU stand-ins of containers/sglang are copied
 # into it (again whenever they change); a missing environment is rebuilt.
 SGLANG_VERSION := $(shell sed -n 's/^sglang==//p' containers/sglang/requirements.in)
-SGLANG_ENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/miles-flyte/sglang-$(SGLANG_VERSION)
+SGLANG_ENV ?= $(USER_CACHE)/sglang-$(SGLANG_VERSION)
 SGLANG_PY := $(SGLANG_ENV)/bin/python
 SGLANG_STANDINS := $(wildcard containers/sglang/cpu_standins/*.py containers/sglang/cpu_standins/*/*.py)
 export MILES_SGLANG_ENV := $(SGLANG_ENV)

@@ -1,6 +1,6 @@
 """The locks agree with what they lock: every requirement of pyproject.toml (and of the SGLang
-image's requirements.in) is pinned, with hashes, at a version its range allows, and the
-project's environment holds exactly the locked versions (`make lock` refreshes them)."""
+image's requirements.in, and of requirements-uv.in: the installer `make setup` runs) is pinned, with hashes, at a
+version its range allows, and the project's environment holds exactly the locked versions (`make lock` refreshes them)."""
 
 import json
 import re
@@ -34,14 +34,16 @@ def requirements() -> list[Requirement]:
     return [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
 
 
+def listed(requirements_in: str) -> list[Requirement]:
+    return [Requirement(r) for r in (REPO / requirements_in).read_text().splitlines() if r.strip() and not r.startswith("#")]
+
+
 @pytest.mark.parametrize(
     "lock, wanted",
     [
         ("requirements.lock", requirements),
-        (
-            "containers/sglang/requirements.lock",
-            lambda: [Requirement(r) for r in (REPO / "containers/sglang/requirements.in").read_text().splitlines() if r.strip() and not r.startswith("#")],
-        ),
+        ("containers/sglang/requirements.lock", lambda: listed("containers/sglang/requirements.in")),
+        ("requirements-uv.lock", lambda: listed("requirements-uv.in")),
     ],
 )
 def test_every_requirement_is_pinned_within_its_range(lock, wanted):
