@@ -14,10 +14,10 @@ export TOKENIZERS_PARALLELISM := false
 setup: $(STAMP)
 
 # Every package at the exact version and hash of requirements.lock (CPU torch included, so nothing
-# pulls a CUDA build), then the project itself without resolving anything. uv installs them (about
-# four times faster than pip here, bytecode compiled as pip does) from its own environment in the user
-# cache, so .venv holds the lock and nothing else; it does not read pip's configuration, so the wheel
-# folders pip is pointed at (PIP_FIND_LINKS, else pip's config) are passed on.
+# pulls a CUDA build), then the project itself without resolving anything. uv installs them (it unpacks
+# and compiles the bytecode in parallel, where pip takes one package at a time) from its own environment in
+# the user cache, so .venv holds the lock and nothing else; it does not read pip's configuration, so the
+# wheel folders pip is pointed at (PIP_FIND_LINKS, else pip's config) are passed on.
 USER_CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/miles-flyte
 UV := $(USER_CACHE)/uv/bin/uv
 FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON_BASE) -m pip config get global.find-links 2>/dev/null))
