@@ -101,7 +101,10 @@ class SandboxResult:
             MEMORY_LIMIT: "memory limit reached",
             CRASHED: f"crashed (exit {self.exit_code})",
         }.get(self.status, "")
-        return "\n".join(x for x in (self.stdout.rstrip(), _error_line(self.stderr), f"[{self.status}] {reason}".rstrip()) if x)
+        stderr = self.stderr
+        if self.status == OUTPUT_LIMIT:  # stopped mid-write: its last line may be cut, the one before is whole
+            stderr = stderr[: stderr.rfind("\n") + 1] or stderr
+        return "\n".join(x for x in (self.stdout.rstrip(), _error_line(stderr), f"[{self.status}] {reason}".rstrip()) if x)
 
 
 def _error_line(stderr: str) -> str:

@@ -93,3 +93,7 @@ def test_a_failed_programs_summary_names_the_error_when_its_children_interleave_
     result = SandboxResult("error", 1, "", interleaved, 0.1)
     assert result.summary() == "BlockingIOError: [Errno 11] Resource temporarily unavailable\n[error]"
     assert SandboxResult("crashed", 139, "partial\n", "  indented only\n", 0.1).summary() == "partial\n  indented only\n[crashed] crashed (exit 139)"
+    # stopped at the output limit: the last line may be cut mid-way, the last whole one is named
+    cut = SandboxResult("output_limit", -9, "", interleaved + "BlockingIOError: [Errno 11] Res", 0.1)
+    assert cut.summary() == "BlockingIOError: [Errno 11] Resource temporarily unavailable\n[output_limit] output limit reached"
+    assert SandboxResult("output_limit", -9, "", "no line break at all", 0.1).summary() == "no line break at all\n[output_limit] output limit reached"
