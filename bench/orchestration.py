@@ -21,12 +21,14 @@ run started (the workflow's, or a forked Elastic worker's).
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from measure import emit
-from runner import metric, mlflow_runs, run_workflow
+from runner import REPO, metric, mlflow_runs, run_workflow
 
 COMPUTE = {"rollout": "time_rollout_s", "score": "time_score_s", "train": "time_train_s"}
 BODY = {stage: f"time_{stage}_task_s" for stage in COMPUTE}  # each task's whole body, its own I/O included
@@ -53,12 +55,26 @@ def median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
+POD_MODULES = ("tasks.tracking", "tasks.rl")
+
+
+def pod_import_s(module: str, repeats: int = 3) -> float:
+    """Median wall time of a fresh interpreter that imports `module`, as a task's pod does before its task runs."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, check=True, capture_output=True)
+        times.append(time.perf_counter() - started)
+    return median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", default="recipes/tiny_arith_cpu.yaml")
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides (sft.steps=50 for a quick look)")
     args = parser.parse_args()
+    pod_import = {module: pod_import_s(module) for module in POD_MODULES}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "runs"
         started = time.perf_counter()
@@ -90,6 +106,7 @@ def main() -> None:
             "overhead_s_median": median(overheads),
             "overhead_fraction": round(statistics.median(overheads) / statistics.median(iteration), 3),
             "stages": stages,
+            "pod_import_s": pod_import,
             "workflow_total_s": round(total, 1),
         }
     )

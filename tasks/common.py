@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Optional
 
 import flytekit
-import transformers
 from flytekit.core.context_manager import FlyteContextManager
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
@@ -33,7 +32,9 @@ from miles_core.storage import Transfer, artifact_name, copy_into, digest
 from tasks import decks, local_cache
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the project builds its own models; never reach a hub
-transformers.utils.logging.disable_progress_bar()  # per-load bars drown the per-iteration lines
+# per-load bars (transformers' reads and writes of weights) drown the per-iteration lines; set before transformers is
+# imported, where it is used (a tracking task's pod never imports it)
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 local_cache.check_hits()  # a local run's cache hit whose artifacts were deleted runs the task again
 decks.source_rendered_once()  # a task's source code deck highlighted once per process
 

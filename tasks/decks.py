@@ -12,16 +12,19 @@ from __future__ import annotations
 import functools
 import html
 import itertools
+from typing import TYPE_CHECKING
 
 import flytekit
 import numpy as np
-import torch
 from flytekit import Deck
 from flytekit.deck import DeckField
 from flytekit.deck.renderer import SourceCodeRenderer
 
 from miles_core.dump import per_token
 from miles_core.samples import Sample
+
+if TYPE_CHECKING:
+    import torch
 
 # @task arguments of a task with decks: flytekit's own (source, inputs, outputs) beside the task's, but not
 # "Dependencies", which runs `pip list` and `pip freeze` each time the task runs (about 1 s of every iteration on the

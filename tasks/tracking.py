@@ -22,7 +22,7 @@ from miles_core.config.model import URI_SCHEMES
 from miles_core.models.source import SOURCE_FILE, read_source
 from miles_core.plugins import STAGE_PLUGPOINTS, code_closure, plugin_code
 from miles_core.storage import digest
-from miles_core.weights.publish import read_manifest
+from miles_core.weights.manifest import read_manifest
 from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking, member, run_root_of, uri_of
 from tasks.decks import DECKS
 from tasks.metadata import SMALL, declared

@@ -9,12 +9,11 @@ import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import transformers
-
 from miles_core.recent import Recent
 
 if TYPE_CHECKING:
     import torch
+    import transformers
 
 
 def text_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
@@ -29,6 +28,8 @@ def is_multimodal(config: transformers.PretrainedConfig) -> bool:
 def vocab_size(model_dir: str) -> int:
     """The model's vocabulary (its text config's vocab_size: the embedding rows, which may be more than len(tokenizer)),
     read once per process for the same config.json (every policy and checkpoint of a run carries the same)."""
+    import transformers  # a second of a pod's start-up: imported where a config is read
+
     config = Path(model_dir, "config.json").read_bytes()
     return _vocabularies.kept(config, lambda: text_config(transformers.AutoConfig.from_pretrained(model_dir)).vocab_size)
 

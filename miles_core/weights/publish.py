@@ -1,15 +1,11 @@
-"""Publishing: a policy version is an ordinary HF safetensors directory plus a lineage manifest.
+"""Publishing: a policy version is an ordinary HF safetensors directory plus a lineage manifest (weights/manifest.py).
 
-Any rollout engine (the embedded torch engine, SGLang's update_weights_from_disk) loads it as is.
-`policy.json` records the version, its parent version, the checkpoint it came from and the
-sha256 of its weights, which the tracking step logs as the version's lineage. With train.lora a version is the
-adapter alone in PEFT's format (weights/adapter.py), its manifest naming the format (`adapter`) and the sha256 of
-the base model it applies to (`base_sha256`), which an engine checks before applying it.
+Any rollout engine (the embedded torch engine, SGLang's update_weights_from_disk) loads it as is. With train.lora a
+version is the adapter alone in PEFT's format (weights/adapter.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -19,9 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from miles_core.config import LoraConfig
 from miles_core.models.mtp import MTP_CONFIG, MTP_DIR, MTP_WEIGHTS, has_head
-from miles_core.storage import atomic_dir, sha256_file
+from miles_core.storage import atomic_dir
 from miles_core.weights.adapter import write_adapter
-from miles_core.weights.check import CheckpointError, json_object, weight_files
+from miles_core.weights.check import json_object, weight_files
+from miles_core.weights.manifest import write_manifest
 from miles_core.weights.quantize import quantize_dir
 
 # What a checkpoint holds beside its weights that every version after it keeps: the tokenizer in any
@@ -46,51 +43,6 @@ def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
     for name in TOKENIZER_FILES:
         if (Path(src) / name).is_file():
             shutil.copy2(Path(src) / name, Path(dst) / name)
-
-
-def weights_sha256(policy_dir: str | Path) -> str:
-    """sha256 of the weights: of model.safetensors's bytes, or for a sharded checkpoint of its shards' sha256s in name order."""
-    files = sorted(Path(policy_dir).glob("*.safetensors"))
-    if len(files) == 1:
-        return sha256_file(files[0])
-    h = hashlib.sha256()
-    for file in files:
-        h.update(bytes.fromhex(sha256_file(file)))
-    return h.hexdigest()
-
-
-ADAPTER_FORMAT = "peft-lora"
-
-
-def write_manifest(policy_dir: str | Path, version: int, parent_version: int | None, source: str, base_dir: str | None = None) -> dict:
-    """policy.json of the version in policy_dir; an adapter's (base_dir: its base model) names its format and base."""
-    manifest = {
-        "version": version,
-        "parent_version": parent_version,
-        "source": source,
-        "weights_sha256": weights_sha256(policy_dir),
-    }
-    if base_dir is not None:
-        manifest.update(adapter=ADAPTER_FORMAT, base_sha256=weights_sha256(base_dir))
-    (Path(policy_dir) / "policy.json").write_text(json.dumps(manifest, indent=2))
-    return manifest
-
-
-MANIFEST_KEYS = {"version": (int,), "parent_version": (int, type(None)), "source": (str,), "weights_sha256": (str,)}
-ADAPTER_MANIFEST_KEYS = {"adapter": (str,), "base_sha256": (str,)}  # an adapter's manifest only
-
-
-def read_manifest(policy_dir: str | Path) -> dict:
-    """policy.json of a published version, each key checked; CheckpointError naming the file and key."""
-    path = Path(policy_dir) / "policy.json"
-    manifest = json_object(path, "the policy manifest")
-    keys = {**MANIFEST_KEYS, **(ADAPTER_MANIFEST_KEYS if "adapter" in manifest else {})}
-    for key, kinds in keys.items():
-        if key not in manifest:
-            raise CheckpointError(f"{path}: key {key} missing")
-        if not isinstance(manifest[key], kinds) or isinstance(manifest[key], bool):
-            raise CheckpointError(f"{path}: key {key}: expected {' or '.join(k.__name__ for k in kinds)}, got {type(manifest[key]).__name__}")
-    return manifest
 
 
 class HfCheckpoint:

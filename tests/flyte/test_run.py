@@ -20,7 +20,7 @@ from miles_core import tracking
 from miles_core.batch_io import read_batch
 from miles_core.models.source import checkpoint_digest, read_source
 from miles_core.storage import sha256_file
-from miles_core.weights.publish import weights_sha256
+from miles_core.weights.manifest import weights_sha256
 from tests.conftest import REPO, deck_files, decks, final_policy, run_workflow, workflow_command, workflow_env
 
 pytestmark = pytest.mark.flyte

@@ -18,7 +18,7 @@ from miles_core.models.tiny import build_tiny_model
 from miles_core.rollout.engines.torch_engine import TorchEngine
 from miles_core.train.backends import convert_checkpoint, make_trainer
 from miles_core.weights.check import MAX_JSON_BYTES, CheckpointError, check_hf_dir
-from miles_core.weights.publish import read_manifest, write_manifest
+from miles_core.weights.manifest import read_manifest, write_manifest
 
 WEIGHTS = "model.safetensors"
 EMBED = "model.embed_tokens.weight"

@@ -21,7 +21,7 @@ from miles_core.samples import Sample
 from miles_core.schemas import BatchError
 from miles_core.storage import sha256_file
 from miles_core.weights.check import CheckpointError, check_hf_dir
-from miles_core.weights.publish import read_manifest, write_manifest
+from miles_core.weights.manifest import read_manifest, write_manifest
 
 
 def batch(n: int) -> list[Sample]:

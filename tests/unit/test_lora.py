@@ -23,7 +23,8 @@ from miles_core.samples import Sample
 from miles_core.train.base import pack
 from miles_core.train.torch_backend import TorchTrainer
 from miles_core.weights.check import CheckpointError
-from miles_core.weights.publish import publish, read_manifest, weights_sha256
+from miles_core.weights.manifest import read_manifest, weights_sha256
+from miles_core.weights.publish import publish
 
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 LORA = TrainConfig(lr=1e-2, lora=LoraConfig(rank=4, alpha=8.0, target_modules="q_proj,v_proj,down_proj"))

@@ -137,7 +137,8 @@ def test_published_versions_keep_every_tokenizer_file_and_digest_sharded_weights
     from transformers import AutoModelForCausalLM
 
     from miles_core.storage import sha256_file
-    from miles_core.weights.publish import copy_tokenizer, weights_sha256
+    from miles_core.weights.manifest import weights_sha256
+    from miles_core.weights.publish import copy_tokenizer
 
     user = user_copy(checkpoint, tmp_path)
     (user / "merges.txt").write_text("#version: 0.2\n")

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file, save_file
 
 from miles_core import tracking
-from miles_core.weights.publish import write_manifest
+from miles_core.weights.manifest import write_manifest
 
 RUN_TAGS = {"config_hash": "c0ffee", "data_hash": "da7a", "code_digest": "c0de", "flyte.execution_id": "p:d:exec1"}
 

@@ -1,7 +1,9 @@
 """What a task's module imports is paid at the start of each of its pods: a pod builds the task again from its module.
 The task and workflow modules import no model code, so a pod that trains and generates nothing (the tracking tasks,
 score, a torch checkpoint's publish, a dynamic node compiling the next iterations) starts without transformers' model
-classes (seconds on this CPU) or an optional backend; a task that needs them loads them where it uses them."""
+classes (seconds on this CPU) or an optional backend; a task that needs them loads them where it uses them. The modules
+of the tasks that build no model at their start (tasks/tracking.py, each iteration's log among them; tasks/prepare.py;
+tasks/replay.py) import neither torch nor transformers: their pods start without the seconds those take."""
 
 import subprocess
 import sys
@@ -9,10 +11,19 @@ import sys
 from tests.conftest import REPO
 
 MODULES = ("workflows.rl", "workflows.replay", "workflows.debug", "workflows.convert", "workflows.launch_plans", "tasks.tracking")
+LIGHT = ("tasks.tracking", "tasks.prepare", "tasks.replay")
 MODEL_CODE = ("transformers.modeling_utils", "miles_core.models.loading", "miles_core.train.torch_backend", "megatron.core", "peft", "sglang")
 
 
+def loaded(modules: tuple[str, ...], names: tuple[str, ...]) -> list[str]:
+    """Which of `names` a fresh interpreter holds once it has imported `modules`, as a pod does at its start."""
+    code = f"import sys, {', '.join(modules)}; print(' '.join(m for m in {names!r} if m in sys.modules))"
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+
+
 def test_the_task_and_workflow_modules_load_no_model_code():
-    code = f"import sys, {', '.join(MODULES)}; print(' '.join(m for m in {MODEL_CODE!r} if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == []
+    assert loaded(MODULES, MODEL_CODE) == []
+
+
+def test_the_modules_of_the_tasks_that_read_and_log_load_no_model_stack():
+    assert loaded(LIGHT, ("torch", "transformers", "safetensors")) == []

@@ -4,6 +4,8 @@ and its vocabulary size (miles_core.models.vocab_size)."""
 import json
 import shutil
 
+import transformers
+
 import miles_core.models
 from miles_core.config import ModelConfig
 from miles_core.models import tokenizers, vocab_size
@@ -38,8 +40,8 @@ def test_the_same_tokenizer_files_load_once_and_a_changed_byte_loads_anew(tmp_pa
 def test_the_vocabulary_of_the_same_config_is_read_once_and_another_config_its_own(tmp_path, monkeypatch):
     base = build_tiny_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), str(tmp_path / "base"))
     reads = []
-    real = miles_core.models.transformers.AutoConfig.from_pretrained
-    monkeypatch.setattr(miles_core.models.transformers.AutoConfig, "from_pretrained", lambda d: reads.append(d) or real(d))
+    real = transformers.AutoConfig.from_pretrained
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda d: reads.append(d) or real(d))
     monkeypatch.setattr(miles_core.models, "_vocabularies", Recent(16))
     rows = vocab_size(base)
     copy = shutil.copytree(base, tmp_path / "next-version")

@@ -10,8 +10,6 @@ later call; each call publishes the requested policy version into them.
 
 from __future__ import annotations
 
-import torch
-
 from miles_core.config import RolloutConfig
 from miles_core.rollout.base import RolloutEngine
 
@@ -26,6 +24,8 @@ def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, base_dir: str
         from miles_core.rollout.engines.sglang_shared import shared_engine
 
         return shared_engine(cfg.sglang, policy_dir, version, cfg.routing_replay, base_dir, cfg.speculative_tokens)
+    import torch  # imported only for this engine, as the module that runs it
+
     from miles_core.rollout.engines.torch_engine import TorchEngine
 
     key = (cfg.dtype, cfg.routing_replay, cfg.speculative_tokens, *sorted(torch_options.items()))

@@ -60,7 +60,7 @@ from miles_core.routing import RouterTaps
 from miles_core.weights.adapter import is_adapter_dir
 from miles_core.weights.check import CheckpointError, check_hf_dir
 from miles_core.weights.in_place import built_from, load_in_place
-from miles_core.weights.publish import read_manifest, weights_sha256
+from miles_core.weights.manifest import read_manifest, weights_sha256
 
 
 def _read_pad_token_id(policy_dir: str, model) -> int:
