@@ -43,7 +43,7 @@ from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, Roll
 from miles_core.routing import prefix
 from miles_core.samples import Sample
 from miles_core.tools import TOOLS
-from miles_core.tools.sandbox import SandboxLimits
+from miles_core.tools.runs import SandboxLimits
 
 TOOL_CALL = re.compile(r"<tool>([A-Za-z_][A-Za-z0-9_-]*)\n(.*?)</tool>", re.DOTALL)
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from miles_core.tools.calculator import CalculatorError, calculate
-from miles_core.tools.sandbox import SandboxLimits, run_python
+from miles_core.tools.runs import SandboxLimits
+from miles_core.tools.sandbox import run_python
 
 ToolFn = Callable[[str, SandboxLimits], tuple[str, bool]]
 

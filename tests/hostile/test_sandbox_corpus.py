@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from miles_core.tools import cgroup, seccomp
-from miles_core.tools.sandbox import SLOT_LOCKS, UID_BASE, UID_SLOTS, SandboxLimits, run_python
+from miles_core.tools.runs import SandboxLimits
+from miles_core.tools.sandbox import SLOT_LOCKS, UID_BASE, UID_SLOTS, run_python
 from tests.hostile.sandbox_programs import CLONE_NEWNS, CLONE_NEWUSER, CORPUS, ENCODINGS, NR, PRELUDE, Hostile
 
 LIMITS = SandboxLimits(wall_s=4.0, cpu_s=1, memory_mb=256, max_processes=16, max_output_bytes=8192)

@@ -17,7 +17,7 @@ from miles_core.models.tiny import build_tokenizer
 from miles_core.rollout.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from miles_core.rollout.multi_turn import generate
 from miles_core.tools import TOOLS
-from miles_core.tools.sandbox import SandboxLimits
+from miles_core.tools.runs import SandboxLimits
 
 TOKENIZER = build_tokenizer()
 EOS = TOKENIZER.eos_token_id

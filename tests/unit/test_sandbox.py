@@ -15,14 +15,8 @@ import threading
 import pytest
 
 from miles_core.tools import cgroup, seccomp
-from miles_core.tools.sandbox import (
-    NOBODY,
-    SLOT_LOCKS,
-    UID_BASE,
-    SandboxLimits,
-    SandboxUnavailable,
-    run_python,
-)
+from miles_core.tools.runs import SandboxLimits
+from miles_core.tools.sandbox import NOBODY, SLOT_LOCKS, UID_BASE, SandboxUnavailable, run_python
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=256, max_processes=16, max_output_bytes=8192)
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing: make setup installs it")

@@ -13,7 +13,7 @@ from miles_core.data.source import Prompt
 from miles_core.models.tiny import build_tokenizer
 from miles_core.tools import TOOLS
 from miles_core.tools.calculator import CalculatorError, calculate
-from miles_core.tools.sandbox import SandboxLimits, SandboxResult
+from miles_core.tools.runs import SandboxLimits, SandboxResult
 from miles_core.train.sft import demonstrations
 
 
