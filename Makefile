@@ -21,7 +21,8 @@ setup: $(STAMP)
 USER_CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/miles-flyte
 UV := $(USER_CACHE)/uv/bin/uv
 FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON_BASE) -m pip config get global.find-links 2>/dev/null))
-UV_INSTALL := $(UV) pip install --quiet --python $(PY) --no-deps $(addprefix --find-links ,$(FIND_LINKS))
+UV_PIP := $(UV) pip install --quiet --no-deps $(addprefix --find-links ,$(FIND_LINKS))
+UV_INSTALL := $(UV_PIP) --python $(PY)
 
 $(UV): requirements-uv.lock
 	test -x $(USER_CACHE)/uv/bin/python || $(PYTHON_BASE) -m venv $(USER_CACHE)/uv
@@ -105,9 +106,10 @@ clean:
 	test ! -x $(VENV)/bin/pyflyte || $(VENV)/bin/pyflyte local-cache clear
 
 # SGLang runs in its own environment outside the clone, keyed by its version, as in its own image
-# on a cluster: its CUDA build of torch 2.14.1 stays there (~11 GB, ~6 minutes, once per machine),
-# and the project's .venv never imports sglang. The CPU stand-ins of containers/sglang are copied
-# into it (again whenever they change); a missing environment is rebuilt.
+# on a cluster: its CUDA build of torch 2.14.1 stays there (~11 GB, once per machine; uv installs the
+# lock, hashes checked and bytecode compiled, as for .venv), and the project's .venv never imports
+# sglang. The CPU stand-ins of containers/sglang are copied into it (again whenever they change); a
+# missing environment is rebuilt.
 SGLANG_VERSION := $(shell sed -n 's/^sglang==//p' containers/sglang/requirements.in)
 SGLANG_ENV ?= $(USER_CACHE)/sglang-$(SGLANG_VERSION)
 SGLANG_PY := $(SGLANG_ENV)/bin/python
@@ -116,9 +118,9 @@ export MILES_SGLANG_ENV := $(SGLANG_ENV)
 
 sglang-env: $(SGLANG_ENV)/.standins-installed
 
-$(SGLANG_ENV)/.sglang-installed: containers/sglang/requirements.lock
+$(SGLANG_ENV)/.sglang-installed: containers/sglang/requirements.lock $(UV)
 	test -x $(SGLANG_PY) || $(PYTHON_BASE) -m venv $(SGLANG_ENV)
-	$(SGLANG_PY) -m pip install --quiet --require-hashes --no-deps -r containers/sglang/requirements.lock
+	$(UV_PIP) --python $(SGLANG_PY) --require-hashes --compile-bytecode -r containers/sglang/requirements.lock
 	touch $@
 
 $(SGLANG_ENV)/.standins-installed: $(SGLANG_ENV)/.sglang-installed $(SGLANG_STANDINS)
