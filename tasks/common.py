@@ -31,10 +31,6 @@ from miles_core.plugins import code_closure
 from miles_core.storage import Transfer, artifact_name, copy_into, digest
 from tasks import decks, local_cache
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the project builds its own models; never reach a hub
-# per-load bars (transformers' reads and writes of weights) drown the per-iteration lines; set before transformers is
-# imported, where it is used (a tracking task's pod never imports it)
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 local_cache.check_hits()  # a local run's cache hit whose artifacts were deleted runs the task again
 decks.source_rendered_once()  # a task's source code deck highlighted once per process
 

@@ -5,6 +5,7 @@ classes (seconds on this CPU) or an optional backend; a task that needs them loa
 of the tasks that build no model at their start (tasks/tracking.py, each iteration's log among them; tasks/prepare.py;
 tasks/replay.py) import neither torch nor transformers: their pods start without the seconds those take."""
 
+import os
 import subprocess
 import sys
 
@@ -27,3 +28,12 @@ def test_the_task_and_workflow_modules_load_no_model_code():
 
 def test_the_modules_of_the_tasks_that_read_and_log_load_no_model_stack():
     assert loaded(LIGHT, ("torch", "transformers", "safetensors")) == []
+
+
+def test_a_task_pod_never_reaches_a_hub_and_shows_no_bar_per_load():
+    """huggingface_hub reads both settings once, at its import: tasks/__init__.py sets them before a task's module
+    imports transformers (tasks/rl.py imports it before anything else of tasks/)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    code = "import tasks.rl, huggingface_hub.constants as hub, transformers.utils.logging as log; print(hub.HF_HUB_OFFLINE, log.is_progress_bar_enabled())"
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]
