@@ -1,6 +1,7 @@
 """Models: loading any HF checkpoint as a causal LM (loading.py); tiny builders of every supported family
-(tiny.py, families.py, chat_formats.py). The package itself reads configs and calls models only: importing it, or a
-module of it that needs no model class, does not load transformers' modeling code (seconds of every task's start-up)."""
+(tiny.py, families.py, chat_formats.py). The package itself reads configs and calls models only: importing it loads
+neither torch nor transformers (seconds of every task's start-up; transformers is imported where a config is read), and
+a module of it that needs no model class does not load transformers' modeling code."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def is_multimodal(config: transformers.PretrainedConfig) -> bool:
 def vocab_size(model_dir: str) -> int:
     """The model's vocabulary (its text config's vocab_size: the embedding rows, which may be more than len(tokenizer)),
     read once per process for the same config.json (every policy and checkpoint of a run carries the same)."""
-    import transformers  # a second of a pod's start-up: imported where a config is read
+    import transformers  # where a config is read (the package docstring)
 
     config = Path(model_dir, "config.json").read_bytes()
     return _vocabularies.kept(config, lambda: text_config(transformers.AutoConfig.from_pretrained(model_dir)).vocab_size)

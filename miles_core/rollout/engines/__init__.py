@@ -24,7 +24,7 @@ def make_engine(cfg: RolloutConfig, policy_dir: str, version: int, base_dir: str
         from miles_core.rollout.engines.sglang_shared import shared_engine
 
         return shared_engine(cfg.sglang, policy_dir, version, cfg.routing_replay, base_dir, cfg.speculative_tokens)
-    import torch  # imported only for this engine, as the module that runs it
+    import torch  # the torch engine's: a pod that builds no engine (tracking, replay) starts without it
 
     from miles_core.rollout.engines.torch_engine import TorchEngine
 
