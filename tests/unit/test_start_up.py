@@ -16,10 +16,14 @@ LIGHT = ("tasks.tracking", "tasks.prepare", "tasks.replay")
 MODEL_CODE = ("transformers.modeling_utils", "miles_core.models.loading", "miles_core.train.torch_backend", "megatron.core", "peft", "sglang")
 
 
+def printed(code: str, env: dict[str, str] | None = None) -> list[str]:
+    """The words `code` prints in a fresh interpreter, as a pod starts one."""
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout.split()
+
+
 def loaded(modules: tuple[str, ...], names: tuple[str, ...]) -> list[str]:
-    """Which of `names` a fresh interpreter holds once it has imported `modules`, as a pod does at its start."""
-    code = f"import sys, {', '.join(modules)}; print(' '.join(m for m in {names!r} if m in sys.modules))"
-    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    """Which of `names` a fresh interpreter holds once it has imported `modules`."""
+    return printed(f"import sys, {', '.join(modules)}; print(' '.join(m for m in {names!r} if m in sys.modules))")
 
 
 def test_the_task_and_workflow_modules_load_no_model_code():
@@ -32,8 +36,7 @@ def test_the_modules_of_the_tasks_that_read_and_log_load_no_model_stack():
 
 def test_a_task_pod_never_reaches_a_hub_and_shows_no_bar_per_load():
     """huggingface_hub reads both settings once, at its import: tasks/__init__.py sets them before a task's module
-    imports transformers (tasks/rl.py imports it before anything else of tasks/)."""
+    imports transformers (tasks/rl.py imports it before tasks/common.py, where they were set after it)."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS")}
     code = "import tasks.rl, huggingface_hub.constants as hub, transformers.utils.logging as log; print(hub.HF_HUB_OFFLINE, log.is_progress_bar_enabled())"
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "False"]
+    assert printed(code, env) == ["True", "False"]
