@@ -44,6 +44,7 @@ from tasks.common import (
 )
 from tasks.elastic import redefined, resizable_task
 from tasks.metadata import MEDIUM, SMALL, cached, declared, pod_resources
+from tasks.retention import kept_uri
 from tasks.retry import recoverable
 
 
@@ -120,7 +121,7 @@ def async_phase(
         prompts=load_prompts(dataset.train.download(), data.input_key, data.label_key, data.metadata_key),
         state=state,
         waiting=[waiting[i : i + rollout.n_samples] for i in range(0, len(waiting), rollout.n_samples)],
-        ckpt_dir=uri_of(ckpt.dir),
+        ckpt_dir=kept_uri(ckpt),
         policy_dir=uri_of(policy.dir),
         version=policy.version,
         reference_dir=uri_of(reference.dir),

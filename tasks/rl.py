@@ -71,6 +71,7 @@ from tasks.debug import train_outputs
 from tasks.decks import DECKS, batch_decks, own_decks_only
 from tasks.elastic import elastic, resizable_task
 from tasks.metadata import DEFAULTS, cached, declared
+from tasks.retention import kept_uri
 from tasks.retry import recoverable
 
 # torch elastic polls its workers this often (seconds; torch's default is 0.1, flytekit's 5): a finished step is noticed
@@ -221,7 +222,7 @@ def train(
     inputs = (algo, cfg, rollout, hooks, health, distill, uri_of(ckpt.dir), uri_of(batch.batch), code)
     out, dest = new_artifact(root, "checkpoint", iteration + 1, *inputs)
     fns, trace = bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks, health=health, distill=distill), {}
-    step, metrics = train_checkpoint(cfg, fns, fetched(uri_of(ckpt.dir)), samples, reference_dir, out, iteration, trace)
+    step, metrics = train_checkpoint(cfg, fns, fetched(kept_uri(ckpt)), samples, reference_dir, out, iteration, trace)
     dump = train_outputs(samples, reference_dir, trace, metrics, (root, iteration, *inputs) if debug.dump_rollouts else None)
     metrics["time/train_task_s"] = time.perf_counter() - started
     return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics, dump=dump)

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from flytekit.core.promise import Promise
+
 from miles_core.config import RunConfig
 from miles_core.data.source import DataState
+from miles_core.loop_plan import checkpoints_written, phase_plan, retired
 from tasks.async_phase import on_ray
 from tasks.common import Dataset, Policy
 from tasks.distill import teach, teacher_model
 from tasks.elastic import elastic
 from tasks.metadata import stage_overrides
+from tasks.retention import prune_checkpoint
 from tasks.rl import convert, evaluate, publish, rollout, score, train_task
 
 
@@ -134,3 +138,25 @@ def phased(cfg: RunConfig, ckpt, policy, reference: Policy, dataset: Dataset, st
         code=code,
     )
     return node.with_overrides(**stage_overrides(cfg, "async"))
+
+
+def kept(cfg: RunConfig, recent: list, ckpt, done: int) -> list:
+    """The newest cluster.keep_checkpoints checkpoints, oldest first, once `ckpt` is written after `done` iterations
+    (`recent`: those before it). The one it leaves behind is pruned, after `ckpt` exists, unless it is kept for good
+    (miles_core.loop_plan `retired`). [] where every checkpoint is kept."""
+    keep, every = cfg.cluster.keep_checkpoints, cfg.cluster.keep_checkpoints_every
+    if not keep:
+        return []
+    plan = phase_plan(cfg.iterations, cfg.async_phase, cfg.evaluation.interval)
+    gone = retired(checkpoints_written(plan), done, keep, every)
+    if gone is not None:
+        node = prune_checkpoint(ckpt=recent[0], newer=_own(ckpt), iterations_done=gone, keep=keep, every=every)
+        node.with_overrides(retries=cfg.cluster.retries)  # an object store's hiccup is retried as in every stage
+    return [*recent, _own(ckpt)][-keep:]
+
+
+def _own(ckpt):
+    """`ckpt` as a promise of its own, for one more node to take: a local run resolves the attribute path of the promise
+    a node takes (a task output's field, `trained.ckpt`) in place, so a second node given the same promise would
+    resolve it again, from the field's value (flytekit 1.16 `resolve_attr_path_in_promise`)."""
+    return ckpt.deepcopy() if isinstance(ckpt, Promise) else ckpt

@@ -6,8 +6,9 @@
 Composition only: every stage is a cached task in tasks/, so a re-run with the same config resumes
 after the last completed task, and editing one config section re-runs only what depends on it.
 The loop is cut into blocks of at most cluster.block_iterations iterations (`miles_core.loop_plan`), one dynamic
-node each, which pass the loop's state (checkpoint, policy, data state, buffer, last evaluation) on: a run of
-1,000 iterations is a loop node of 1 + 1000 / block nodes, each block about 5 nodes an iteration.
+node each, which pass the loop's state (checkpoint, policy, data state, buffer, the newest checkpoints kept, last
+evaluation) on: a run of 1,000 iterations is a loop node of 1 + 1000 / block nodes, each block about 5 nodes an
+iteration (6 where cluster.keep_checkpoints prunes: workflows/nodes.py `kept`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tasks.metadata import BUILDER
 from tasks.prepare import admit_model, base_model, make_data, read_recipe
 from tasks.sft import sft
 from tasks.tracking import Report, finish_run, log_iteration, log_phase, mark_failed, start_run
-from workflows.nodes import converted, evaluated, iterated, phased, teacher_of
+from workflows.nodes import converted, evaluated, iterated, kept, phased, teacher_of
 
 
 class LoopResult(NamedTuple):
@@ -42,6 +43,7 @@ class LoopState(NamedTuple):
     policy: Policy
     state: DataState
     buffer: Optional[FlyteFile]  # noqa: UP045 (the Optional flytekit's type engine reads)
+    recent: list[Checkpoint]  # the newest cluster.keep_checkpoints checkpoints, ckpt the last ([]: every one is kept)
     evaluation: dict[str, float]  # the last held-out evaluation (the final policy's, after the last block)
 
 
@@ -66,6 +68,7 @@ def rl_block(
     policy: Policy,
     state: DataState,
     buffer: Optional[FlyteFile],  # noqa: UP045 (the Optional flytekit's type engine reads)
+    recent: list[Checkpoint],
     evaluation: dict[str, float],
     first: int,
     stop: int,
@@ -78,6 +81,7 @@ def rl_block(
             evaluation = evaluated(cfg, phase.policy, dataset, code["evaluate"]) if due else evaluation
             log_phase(run=run, first_iteration=it, phase=phase, evaluation=evaluation if due else {})
             ckpt, policy, state, buffer = phase.ckpt, phase.policy, phase.state, phase.buffer
+            recent = kept(cfg, recent, ckpt, it + async_steps)
             continue
         step = iterated(cfg, ckpt, policy, reference, teacher, dataset, state, buffer, it, code)
         evaluation = evaluated(cfg, step.policy, dataset, code["evaluate"]) if due else evaluation
@@ -91,12 +95,14 @@ def rl_block(
             policy=step.policy,
         )
         ckpt, policy, state, buffer = step.trained.ckpt, step.policy, step.batch.state, step.batch.buffer
-    return ckpt, policy, state, buffer, evaluation
+        recent = kept(cfg, recent, ckpt, it + 1)
+    return ckpt, policy, state, buffer, recent, evaluation
 
 
 def started(cfg: RunConfig, start: Policy) -> LoopState:
     """The loop's state before its first iteration: the SFT policy, converted to the trainer's format."""
-    return LoopState(ckpt=converted(cfg, start), policy=start, state=DataState(), buffer=None, evaluation={})
+    ckpt = converted(cfg, start)
+    return LoopState(ckpt=ckpt, policy=start, state=DataState(), buffer=None, recent=kept(cfg, [], ckpt, 0), evaluation={})
 
 
 def blocks(cfg: RunConfig, carried: LoopState, start: Policy, dataset: Dataset, run: Tracking, first: int, stop: int) -> LoopState:

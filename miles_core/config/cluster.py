@@ -1,5 +1,5 @@
 """cluster: what a Flyte cluster run needs beyond the experiment: retries, timeouts, spot nodes, GPU type,
-torch elastic restarts and rendezvous, the loop's block size, failure notifications.
+torch elastic restarts and rendezvous, the loop's block size, how many checkpoints a run keeps, failure notifications.
 
 None of it is an input of a task (changing it re-runs nothing cached): the workflow applies it to the nodes
 it builds (`with_overrides`, workflows/rl.py), and the launch plans (workflows/launch_plans.py) read the
@@ -47,6 +47,13 @@ class ClusterConfig:
     rdzv_timeout_s: int = 900  # torch elastic rendezvous: how long the nodes of a multi-node task wait for each other
     rdzv_join_timeout_s: int = 900  # ... and for a late node to join (pods start at different times)
     block_iterations: int = 20  # iterations per dynamic sub-node of the loop (the futures file of one block)
+    # The trainer checkpoints a run keeps in the object store (weights, Adam's two moments in fp32, RNG: 12 to 16
+    # bytes a parameter, a few TB a checkpoint of a frontier model). 0: every one, so a resume or a replay can start from any
+    # iteration. K: the newest K, and of the older ones those written after a multiple of keep_checkpoints_every
+    # iterations (0: none); each other one is pruned once K newer ones exist (miles_core/loop_plan.py `retired`), leaving a
+    # tombstone that names why (tasks/retention.py). Published policies are all kept.
+    keep_checkpoints: int = 0
+    keep_checkpoints_every: int = 0
     failure_emails: str = ""  # comma-separated addresses a recipe's launch plan notifies when a run fails, times out or is aborted
 
     def __post_init__(self):
@@ -69,6 +76,13 @@ class ClusterConfig:
         for name in ("rdzv_timeout_s", "rdzv_join_timeout_s"):
             _check(getattr(self, name) >= 1, f"cluster.{name}", f"must be >= 1 second, got {getattr(self, name)}")
         _check(1 <= self.block_iterations <= 200, "cluster.block_iterations", f"must be in [1, 200] (about 5 nodes each), got {self.block_iterations}")
+        _check(self.keep_checkpoints >= 0, "cluster.keep_checkpoints", f"must be >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints}")
+        _check(self.keep_checkpoints_every >= 0, "cluster.keep_checkpoints_every", f"must be >= 0, got {self.keep_checkpoints_every}")
+        _check(
+            not self.keep_checkpoints_every or self.keep_checkpoints,
+            "cluster.keep_checkpoints_every",
+            "keeps every checkpoint already (cluster.keep_checkpoints is 0): set keep_checkpoints to the newest ones to keep",
+        )
         for address in self.emails():
             _check(bool(_EMAIL.match(address)), "cluster.failure_emails", f"{address!r} is not an e-mail address")
 

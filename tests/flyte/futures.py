@@ -11,6 +11,7 @@ from flytekit.types.file import FlyteFile
 
 from miles_core.config import RunConfig
 from miles_core.data.source import DataState
+from miles_core.loop_plan import checkpoints_written, phase_plan
 from tasks.common import Checkpoint, Dataset, Policy, Tracking
 from tests.flyte.test_compile import SETTINGS
 from workflows.rl import rl_block
@@ -47,8 +48,17 @@ def template_of(spec, node):
     return next(t for t in spec.tasks if t.id == node.task_node.reference_id)
 
 
+def stored_checkpoint(done: int) -> Checkpoint:
+    """A checkpoint in the object store written after `done` iterations (CHECKPOINT: the converted start)."""
+    return Checkpoint(dir=FlyteDirectory(f"s3://runs/checkpoint/{done}"), step=done) if done else CHECKPOINT
+
+
 def block_futures(cfg: RunConfig, first: int, stop: int):
-    """The futures file of the loop's block of iterations [first, stop), started from the inputs above."""
-    state = {"ckpt": CHECKPOINT, "policy": POLICY, "state": DataState(), "buffer": None, "evaluation": {}}
+    """The futures file of the loop's block of iterations [first, stop), started from the inputs above; the newest
+    checkpoints the block carries in (cluster.keep_checkpoints) are `stored_checkpoint`s."""
+    written = checkpoints_written(phase_plan(cfg.iterations, cfg.async_phase, cfg.evaluation.interval))
+    keep = cfg.cluster.keep_checkpoints
+    recent = [stored_checkpoint(done) for done in written[: written.index(first) + 1][-keep:]] if keep else []
+    state = {"ckpt": recent[-1] if recent else CHECKPOINT, "policy": POLICY, "state": DataState(), "buffer": None, "recent": recent, "evaluation": {}}
     teacher = TEACHER if cfg.distill.teacher else None
     return futures(rl_block, cfg=cfg, reference=POLICY, teacher=teacher, dataset=DATASET, run=RUN, **state, first=first, stop=stop)

@@ -1,4 +1,4 @@
-"""The cluster section (retries, timeouts, GPU type, elastic restarts, loop blocks, notifications) and the JSON path
+"""The cluster section (retries, timeouts, GPU type, elastic restarts, loop blocks, checkpoints kept, notifications) and the JSON path
 of a RunConfig (what `pyflyte run --cfg` reads): every key checked, every misspelt key refused by its path."""
 
 import dataclasses
@@ -24,6 +24,9 @@ def test_a_stage_timeout_is_read_in_seconds():
         ({"max_restarts": -1}, "cluster.max_restarts: must be in [0, 100]"),
         ({"rdzv_join_timeout_s": 0}, "cluster.rdzv_join_timeout_s: must be >= 1 second"),
         ({"block_iterations": 0}, "cluster.block_iterations: must be in [1, 200]"),
+        ({"keep_checkpoints": -1}, "cluster.keep_checkpoints: must be >= 0 (0 keeps every checkpoint)"),
+        ({"keep_checkpoints": 2, "keep_checkpoints_every": -5}, "cluster.keep_checkpoints_every: must be >= 0"),
+        ({"keep_checkpoints_every": 20}, "cluster.keep_checkpoints_every: keeps every checkpoint already (cluster.keep_checkpoints is 0)"),
         ({"failure_emails": "ops@example.com, oncall"}, "cluster.failure_emails: 'oncall' is not an e-mail address"),
     ],
 )

@@ -12,7 +12,7 @@ import sys
 from tests.conftest import REPO
 
 MODULES = ("workflows.rl", "workflows.replay", "workflows.debug", "workflows.convert", "workflows.launch_plans", "tasks.tracking")
-LIGHT = ("tasks.tracking", "tasks.prepare", "tasks.replay")
+LIGHT = ("tasks.tracking", "tasks.prepare", "tasks.replay", "tasks.retention")
 MODEL_CODE = ("transformers.modeling_utils", "miles_core.models.loading", "miles_core.train.torch_backend", "megatron.core", "peft", "sglang")
 
 
