@@ -16,9 +16,12 @@ import shutil
 import time
 from pathlib import Path
 
+import fsspec
+
 from miles_core.config import TrackingConfig
 from miles_core.config.base import ConfigError
 from miles_core.config.model import URI_SCHEMES
+from miles_core.retention import check_kept
 from miles_core.storage import user_cache
 
 
@@ -242,7 +245,8 @@ def register_policy(uri: str, run_id: str, policy_uri: str, manifest: dict, iter
 def load_policy(uri: str, name: str, version: int | None = None, run_id: str = "", iteration: int | None = None, dst_path: str | None = None) -> str:
     """The HF directory of a registered policy: version `version` of registered model `name`, or the policy after
     `iteration` iterations of run `run_id`. A policy in an object store is downloaded (into dst_path, else a temporary
-    folder); a local one is its own directory unless dst_path asks for a copy."""
+    folder); a local one is its own directory unless dst_path asks for a copy. A policy its run pruned (its folder keeps
+    the manifest and the tombstone: cluster.keep_policies) raises miles_core.retention.Pruned, saying so."""
     import mlflow  # heavy import, only where tracking happens
 
     client = _client(uri)
@@ -251,4 +255,5 @@ def load_policy(uri: str, name: str, version: int | None = None, run_id: str = "
         if not found:
             raise LookupError(f"registered model {name} in {uri} has no version for iteration {iteration} of run {run_id!r}")
         version = found[0].version
-    return mlflow.artifacts.download_artifacts(artifact_uri=client.get_model_version_download_uri(name, version), dst_path=dst_path)
+    local = mlflow.artifacts.download_artifacts(artifact_uri=client.get_model_version_download_uri(name, version), dst_path=dst_path)
+    return check_kept(fsspec.filesystem("file"), local)

@@ -44,7 +44,7 @@ from tasks.common import (
 )
 from tasks.elastic import redefined, resizable_task
 from tasks.metadata import MEDIUM, SMALL, cached, declared, pod_resources
-from tasks.retention import kept_uri
+from tasks.retention import unpruned
 from tasks.retry import recoverable
 
 
@@ -104,6 +104,7 @@ def async_phase(
     root: str,
     code: str,
 ) -> AsyncPhaseResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
+    ckpt_dir, policy_dir = uri_of(unpruned(ckpt.dir)), uri_of(unpruned(policy.dir))
     vocab = vocab_size(str(member(policy.dir, "config.json").parent))  # the weights are the actors' to fetch, not this pod's
     shape = {"scored": True, "reward_range": (reward.min, reward.max), "vocab_size": vocab, "group_size": rollout.n_samples}
     waiting = read_batch(buffer.download(), **shape) if buffer is not None else []
@@ -121,8 +122,8 @@ def async_phase(
         prompts=load_prompts(dataset.train.download(), data.input_key, data.label_key, data.metadata_key),
         state=state,
         waiting=[waiting[i : i + rollout.n_samples] for i in range(0, len(waiting), rollout.n_samples)],
-        ckpt_dir=kept_uri(ckpt),
-        policy_dir=uri_of(policy.dir),
+        ckpt_dir=ckpt_dir,
+        policy_dir=policy_dir,
         version=policy.version,
         reference_dir=uri_of(reference.dir),
         first_iteration=first_iteration,

@@ -71,7 +71,7 @@ from tasks.debug import train_outputs
 from tasks.decks import DECKS, batch_decks, own_decks_only
 from tasks.elastic import elastic, resizable_task
 from tasks.metadata import DEFAULTS, cached, declared
-from tasks.retention import kept_uri
+from tasks.retention import unpruned
 from tasks.retry import recoverable
 
 # torch elastic polls its workers this often (seconds; torch's default is 0.1, flytekit's 5): a finished step is noticed
@@ -150,7 +150,7 @@ def rollout(
 ) -> RolloutResult:  # noqa: UP045 (the Optional flytekit's type engine reads)
     started, fns = time.perf_counter(), bind(rollout=cfg, reward=reward)
     source = plugin(data, "data", "source_fn")(_prompts(dataset.train, data), data.seed, state)
-    policy_dir = policy.dir.download()
+    policy_dir = unpruned(policy.dir).download()
     tokenizer = load_tokenizer(policy_dir)
     shape = {"vocab_size": vocab_size(policy_dir), "group_size": cfg.n_samples}
     waiting = groups_of(read_batch(buffer.download(), scored=True, **shape), cfg.n_samples) if buffer is not None else []
@@ -222,7 +222,7 @@ def train(
     inputs = (algo, cfg, rollout, hooks, health, distill, uri_of(ckpt.dir), uri_of(batch.batch), code)
     out, dest = new_artifact(root, "checkpoint", iteration + 1, *inputs)
     fns, trace = bind(rollout=rollout, reward=reward, algo=algo, hooks=hooks, health=health, distill=distill), {}
-    step, metrics = train_checkpoint(cfg, fns, fetched(kept_uri(ckpt)), samples, reference_dir, out, iteration, trace)
+    step, metrics = train_checkpoint(cfg, fns, fetched(uri_of(unpruned(ckpt.dir))), samples, reference_dir, out, iteration, trace)
     dump = train_outputs(samples, reference_dir, trace, metrics, (root, iteration, *inputs) if debug.dump_rollouts else None)
     metrics["time/train_task_s"] = time.perf_counter() - started
     return TrainResult(ckpt=Checkpoint(dir=uploaded_dir(out, dest), step=step), metrics=metrics, dump=dump)
@@ -256,7 +256,7 @@ def evaluate(cfg: EvalConfig, reward: RewardConfig, data: DataConfig, rollout: R
     """Held-out evaluation of a policy version (evaluation.fn, greedy accuracy by default), with the task's own time
     (`time/evaluate_s`: what a benchmark of training time leaves out)."""
     started = time.perf_counter()
-    policy_dir = policy.dir.download()
+    policy_dir = unpruned(policy.dir).download()
     engine = make_engine(rollout, policy_dir, policy.version, base_dir_of(policy), shared=True, max_batch_sequences=cfg.batch_size)
     fns = bind(rollout=rollout, reward=reward, evaluation=cfg)
     metrics = fns.evaluate_fn(engine, _prompts(dataset.test, data), load_tokenizer(policy_dir), fns)

@@ -22,7 +22,7 @@ from miles_core.config.model import URI_SCHEMES
 from miles_core.models.source import SOURCE_FILE, read_source
 from miles_core.plugins import STAGE_PLUGPOINTS, code_closure, plugin_code
 from miles_core.storage import digest
-from miles_core.weights.manifest import read_manifest
+from miles_core.weights.manifest import MANIFEST_FILE, read_manifest
 from tasks.common import AsyncPhaseResult, Dataset, Policy, Tracking, member, run_root_of, uri_of
 from tasks.decks import DECKS
 from tasks.metadata import SMALL, declared
@@ -62,7 +62,7 @@ def _code_digest(cfg: RunConfig) -> str:
 def _log_policy(run: Tracking, policy: Policy, iteration: int) -> None:
     """A published policy's manifest as the run's policies/vNNNN.json, and the policy as a version of the experiment's
     registered model (tracking.register_policy: a registry that fails leaves a warning, the policy stays published)."""
-    manifest = read_manifest(member(policy.dir, "policy.json").parent)
+    manifest = read_manifest(member(policy.dir, MANIFEST_FILE).parent)
     tracking.log_dict(run.uri, run.run_id, manifest, f"policies/v{policy.version:04d}.json")
     registered = tracking.register_policy(run.uri, run.run_id, uri_of(policy.dir), manifest, iteration)
     if registered is not None:
@@ -117,7 +117,7 @@ def log_iteration(
 @task(cache=False, **DECKS, container_image=cpu_image, **declared("tracking", SMALL, minutes=15))
 @recoverable
 def finish_run(run: Tracking, before: dict[str, float], after: dict[str, float], policy: Policy, root: str) -> Report:
-    manifest = read_manifest(member(policy.dir, "policy.json").parent)
+    manifest = read_manifest(member(policy.dir, MANIFEST_FILE).parent)
     learned, verdict = tracking.learning_verdict(before["eval/accuracy"], after["eval/accuracy"], after["eval/prompts"])
     tracking.set_tags(
         run.uri,

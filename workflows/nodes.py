@@ -16,8 +16,15 @@ from tasks.common import Dataset, Policy
 from tasks.distill import teach, teacher_model
 from tasks.elastic import elastic
 from tasks.metadata import stage_overrides
-from tasks.retention import prune_checkpoint
+from tasks.retention import prune_iteration
 from tasks.rl import convert, evaluate, publish, rollout, score, train_task
+
+
+class Kept(NamedTuple):
+    """The newest checkpoints a run keeps (cluster.keep_checkpoints), oldest first, and the policies published from them."""
+
+    checkpoints: list
+    policies: list
 
 
 class Iteration(NamedTuple):
@@ -140,23 +147,32 @@ def phased(cfg: RunConfig, ckpt, policy, reference: Policy, dataset: Dataset, st
     return node.with_overrides(**stage_overrides(cfg, "async"))
 
 
-def kept(cfg: RunConfig, recent: list, ckpt, done: int) -> list:
-    """The newest cluster.keep_checkpoints checkpoints, oldest first, once `ckpt` is written after `done` iterations
-    (`recent`: those before it). The one it leaves behind is pruned, after `ckpt` exists, unless it is kept for good
-    (miles_core.loop_plan `retired`). [] where every checkpoint is kept."""
+def kept(cfg: RunConfig, recent: Kept, ckpt, policy, done: int, logged: dict) -> Kept:
+    """The newest cluster.keep_checkpoints checkpoints and the policies published from them, oldest first, once `ckpt`
+    and `policy` are written after `done` iterations (`recent`: the newest ones before them). The checkpoint they leave
+    behind is pruned, with its policy where cluster.keep_policies is false, once `ckpt` exists and the node that logged
+    that policy (`logged`: iterations done -> that node, of this block) has run; unless it is kept for good
+    (miles_core.loop_plan `retired`) or `recent` does not hold it (a replay that keeps more than its parent did). The
+    SFT policy, which the converted checkpoint holds, is the reference: never pruned. Empty where every checkpoint is kept."""
     keep, every = cfg.cluster.keep_checkpoints, cfg.cluster.keep_checkpoints_every
     if not keep:
-        return []
-    plan = phase_plan(cfg.iterations, cfg.async_phase, cfg.evaluation.interval)
-    gone = retired(checkpoints_written(plan), done, keep, every)
-    if gone is not None:
-        node = prune_checkpoint(ckpt=recent[0], newer=_own(ckpt), iterations_done=gone, keep=keep, every=every)
+        return Kept([], [])
+    written = checkpoints_written(phase_plan(cfg.iterations, cfg.async_phase, cfg.evaluation.interval))
+    before = written[: written.index(done)]
+    held = before[len(before) - len(recent.checkpoints) :]  # the iterations done when each of `recent` was written
+    gone = retired(written, done, keep, every)
+    if gone in held:
+        at = held.index(gone)
+        also = recent.policies[at] if gone and not cfg.cluster.keep_policies else None
+        node = prune_iteration(ckpt=recent.checkpoints[at], policy=also, newer=_own(ckpt), iterations_done=gone, keep=keep, every=every)
+        if gone in logged:
+            logged[gone] >> node  # the tracking reads the policy's manifest first (on a cluster, a branch of its own)
         node.with_overrides(retries=cfg.cluster.retries)  # an object store's hiccup is retried as in every stage
-    return [*recent, _own(ckpt)][-keep:]
+    return Kept([*recent.checkpoints, _own(ckpt)][-keep:], [*recent.policies, _own(policy)][-keep:])
 
 
-def _own(ckpt):
-    """`ckpt` as a promise of its own, for one more node to take: a local run resolves the attribute path of the promise
+def _own(value):
+    """`value` as a promise of its own, for one more node to take: a local run resolves the attribute path of the promise
     a node takes (a task output's field, `trained.ckpt`) in place, so a second node given the same promise would
     resolve it again, from the field's value (flytekit 1.16 `resolve_attr_path_in_promise`)."""
-    return ckpt.deepcopy() if isinstance(ckpt, Promise) else ckpt
+    return value.deepcopy() if isinstance(value, Promise) else value

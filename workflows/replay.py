@@ -80,7 +80,7 @@ def replay_loop(parent: RunConfig, cfg: RunConfig, start: Policy, dataset: Datas
     """The parent's iterations before from_iteration, then cfg's from there on its own rollouts or the parent's."""
     carried = blocks(parent, started(parent, start), start, dataset, run, 0, from_iteration)
     if rollouts == "cached":
-        ckpt, policy, state, buffer, _, evaluation = carried
+        ckpt, policy, state, buffer, _, _, evaluation = carried
         batches = parent_batches(parent=parent, start=start, dataset=dataset, ckpt=ckpt, policy=policy, state=state, buffer=buffer, first=from_iteration)
         return train_on_batches(
             cfg=cfg, start=start, dataset=dataset, run=run, ckpt=ckpt, policy=policy, evaluation=evaluation, batches=batches, first=from_iteration

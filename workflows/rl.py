@@ -28,7 +28,7 @@ from tasks.metadata import BUILDER
 from tasks.prepare import admit_model, base_model, make_data, read_recipe
 from tasks.sft import sft
 from tasks.tracking import Report, finish_run, log_iteration, log_phase, mark_failed, start_run
-from workflows.nodes import converted, evaluated, iterated, kept, phased, teacher_of
+from workflows.nodes import Kept, converted, evaluated, iterated, kept, phased, teacher_of
 
 
 class LoopResult(NamedTuple):
@@ -44,6 +44,7 @@ class LoopState(NamedTuple):
     state: DataState
     buffer: Optional[FlyteFile]  # noqa: UP045 (the Optional flytekit's type engine reads)
     recent: list[Checkpoint]  # the newest cluster.keep_checkpoints checkpoints, ckpt the last ([]: every one is kept)
+    recent_policies: list[Policy]  # the policies published from them, policy the last
     evaluation: dict[str, float]  # the last held-out evaluation (the final policy's, after the last block)
 
 
@@ -69,23 +70,25 @@ def rl_block(
     state: DataState,
     buffer: Optional[FlyteFile],  # noqa: UP045 (the Optional flytekit's type engine reads)
     recent: list[Checkpoint],
+    recent_policies: list[Policy],
     evaluation: dict[str, float],
     first: int,
     stop: int,
 ) -> LoopState:
     """Iterations [first, stop), sync or in async phases (async_phase.schedule), from the state the block before left."""
     code = {stage: plugin_code(cfg, stage) for stage in STAGE_PLUGPOINTS}  # the recipe's plug-in sources, per stage
+    recent, logged = Kept(recent, recent_policies), {}  # logged: iterations done -> the node that logged their policy
     for it, async_steps, due in block_plan(plan(cfg), first, stop):  # (it, 0, _): one sync iteration
         if async_steps:  # an async phase of K steps on Ray; its buffer and data state feed what follows
             phase = phased(cfg, ckpt, policy, reference, dataset, state, buffer, it, async_steps, code["async"])
             evaluation = evaluated(cfg, phase.policy, dataset, code["evaluate"]) if due else evaluation
-            log_phase(run=run, first_iteration=it, phase=phase, evaluation=evaluation if due else {})
+            logged[it + async_steps] = log_phase(run=run, first_iteration=it, phase=phase, evaluation=evaluation if due else {})
             ckpt, policy, state, buffer = phase.ckpt, phase.policy, phase.state, phase.buffer
-            recent = kept(cfg, recent, ckpt, it + async_steps)
+            recent = kept(cfg, recent, ckpt, policy, it + async_steps, logged)
             continue
         step = iterated(cfg, ckpt, policy, reference, teacher, dataset, state, buffer, it, code)
         evaluation = evaluated(cfg, step.policy, dataset, code["evaluate"]) if due else evaluation
-        log_iteration(
+        logged[it + 1] = log_iteration(
             run=run,
             iteration=it,
             rollout=step.batch.metrics,
@@ -95,14 +98,15 @@ def rl_block(
             policy=step.policy,
         )
         ckpt, policy, state, buffer = step.trained.ckpt, step.policy, step.batch.state, step.batch.buffer
-        recent = kept(cfg, recent, ckpt, it + 1)
-    return ckpt, policy, state, buffer, recent, evaluation
+        recent = kept(cfg, recent, ckpt, policy, it + 1, logged)
+    return ckpt, policy, state, buffer, recent.checkpoints, recent.policies, evaluation
 
 
 def started(cfg: RunConfig, start: Policy) -> LoopState:
     """The loop's state before its first iteration: the SFT policy, converted to the trainer's format."""
     ckpt = converted(cfg, start)
-    return LoopState(ckpt=ckpt, policy=start, state=DataState(), buffer=None, recent=kept(cfg, [], ckpt, 0), evaluation={})
+    recent = kept(cfg, Kept([], []), ckpt, start, 0, {})
+    return LoopState(ckpt, start, DataState(), None, recent.checkpoints, recent.policies, evaluation={})
 
 
 def blocks(cfg: RunConfig, carried: LoopState, start: Policy, dataset: Dataset, run: Tracking, first: int, stop: int) -> LoopState:

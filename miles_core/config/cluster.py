@@ -1,5 +1,6 @@
 """cluster: what a Flyte cluster run needs beyond the experiment: retries, timeouts, spot nodes, GPU type,
-torch elastic restarts and rendezvous, the loop's block size, how many checkpoints a run keeps, failure notifications.
+torch elastic restarts and rendezvous, the loop's block size, which checkpoints and policies a run keeps, failure
+notifications.
 
 None of it is an input of a task (changing it re-runs nothing cached): the workflow applies it to the nodes
 it builds (`with_overrides`, workflows/rl.py), and the launch plans (workflows/launch_plans.py) read the
@@ -51,9 +52,11 @@ class ClusterConfig:
     # bytes a parameter, a few TB a checkpoint of a frontier model). 0: every one, so a resume or a replay can start from any
     # iteration. K: the newest K, and of the older ones those written after a multiple of keep_checkpoints_every
     # iterations (0: none); each other one is pruned once K newer ones exist (miles_core/loop_plan.py `retired`), leaving a
-    # tombstone that names why (tasks/retention.py). Published policies are all kept.
+    # tombstone that names why (tasks/retention.py). keep_policies false prunes the policy published from each pruned
+    # checkpoint with it (2 bytes a parameter in bf16; its lineage manifest stays); true keeps every published policy.
     keep_checkpoints: int = 0
     keep_checkpoints_every: int = 0
+    keep_policies: bool = True
     failure_emails: str = ""  # comma-separated addresses a recipe's launch plan notifies when a run fails, times out or is aborted
 
     def __post_init__(self):
@@ -82,6 +85,11 @@ class ClusterConfig:
             not self.keep_checkpoints_every or self.keep_checkpoints,
             "cluster.keep_checkpoints_every",
             "keeps every checkpoint already (cluster.keep_checkpoints is 0): set keep_checkpoints to the newest ones to keep",
+        )
+        _check(
+            self.keep_policies or self.keep_checkpoints,
+            "cluster.keep_policies",
+            "false prunes a policy with its checkpoint, and cluster.keep_checkpoints is 0 (every checkpoint kept): set both",
         )
         for address in self.emails():
             _check(bool(_EMAIL.match(address)), "cluster.failure_emails", f"{address!r} is not an e-mail address")

@@ -28,6 +28,7 @@ def weights_sha256(policy_dir: str | Path) -> str:
 
 
 ADAPTER_FORMAT = "peft-lora"
+MANIFEST_FILE = "policy.json"
 
 
 def write_manifest(policy_dir: str | Path, version: int, parent_version: int | None, source: str, base_dir: str | None = None) -> dict:
@@ -40,7 +41,7 @@ def write_manifest(policy_dir: str | Path, version: int, parent_version: int | N
     }
     if base_dir is not None:
         manifest.update(adapter=ADAPTER_FORMAT, base_sha256=weights_sha256(base_dir))
-    (Path(policy_dir) / "policy.json").write_text(json.dumps(manifest, indent=2))
+    (Path(policy_dir) / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
     return manifest
 
 
@@ -50,7 +51,7 @@ ADAPTER_MANIFEST_KEYS = {"adapter": (str,), "base_sha256": (str,)}  # an adapter
 
 def read_manifest(policy_dir: str | Path) -> dict:
     """policy.json of a published version, each key checked; CheckpointError naming the file and key."""
-    path = Path(policy_dir) / "policy.json"
+    path = Path(policy_dir) / MANIFEST_FILE
     manifest = json_object(path, "the policy manifest")
     keys = {**MANIFEST_KEYS, **(ADAPTER_MANIFEST_KEYS if "adapter" in manifest else {})}
     for key, kinds in keys.items():

@@ -53,12 +53,19 @@ def stored_checkpoint(done: int) -> Checkpoint:
     return Checkpoint(dir=FlyteDirectory(f"s3://runs/checkpoint/{done}"), step=done) if done else CHECKPOINT
 
 
-def block_futures(cfg: RunConfig, first: int, stop: int):
+def stored_policy(done: int) -> Policy:
+    """The policy published after `done` iterations (POLICY: the SFT policy, the converted start's)."""
+    return Policy(dir=FlyteDirectory(f"s3://runs/policy/{done}"), version=done + 1) if done else POLICY
+
+
+def block_futures(cfg: RunConfig, first: int, stop: int, handed: int | None = None):
     """The futures file of the loop's block of iterations [first, stop), started from the inputs above; the newest
-    checkpoints the block carries in (cluster.keep_checkpoints) are `stored_checkpoint`s."""
+    checkpoints the block is handed (`handed` of them, else cluster.keep_checkpoints) are `stored_checkpoint`s."""
     written = checkpoints_written(phase_plan(cfg.iterations, cfg.async_phase, cfg.evaluation.interval))
-    keep = cfg.cluster.keep_checkpoints
-    recent = [stored_checkpoint(done) for done in written[: written.index(first) + 1][-keep:]] if keep else []
-    state = {"ckpt": recent[-1] if recent else CHECKPOINT, "policy": POLICY, "state": DataState(), "buffer": None, "recent": recent, "evaluation": {}}
+    handed = cfg.cluster.keep_checkpoints if handed is None else handed
+    done = written[: written.index(first) + 1][-handed:] if handed else []
+    recent, policies = [stored_checkpoint(n) for n in done], [stored_policy(n) for n in done]
+    state = {"ckpt": recent[-1] if recent else CHECKPOINT, "policy": policies[-1] if policies else POLICY, "state": DataState(), "buffer": None}
+    state |= {"recent": recent, "recent_policies": policies, "evaluation": {}}
     teacher = TEACHER if cfg.distill.teacher else None
     return futures(rl_block, cfg=cfg, reference=POLICY, teacher=teacher, dataset=DATASET, run=RUN, **state, first=first, stop=stop)

@@ -27,6 +27,7 @@ def test_a_stage_timeout_is_read_in_seconds():
         ({"keep_checkpoints": -1}, "cluster.keep_checkpoints: must be >= 0 (0 keeps every checkpoint)"),
         ({"keep_checkpoints": 2, "keep_checkpoints_every": -5}, "cluster.keep_checkpoints_every: must be >= 0"),
         ({"keep_checkpoints_every": 20}, "cluster.keep_checkpoints_every: keeps every checkpoint already (cluster.keep_checkpoints is 0)"),
+        ({"keep_policies": False}, "cluster.keep_policies: false prunes a policy with its checkpoint, and cluster.keep_checkpoints is 0"),
         ({"failure_emails": "ops@example.com, oncall"}, "cluster.failure_emails: 'oncall' is not an e-mail address"),
     ],
 )

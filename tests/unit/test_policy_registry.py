@@ -4,13 +4,15 @@ and `load_policy` finds iteration N of a run again."""
 
 import logging
 
+import fsspec
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file, save_file
 
 from miles_core import tracking
-from miles_core.weights.manifest import write_manifest
+from miles_core.retention import Pruned, prune
+from miles_core.weights.manifest import MANIFEST_FILE, write_manifest
 
 RUN_TAGS = {"config_hash": "c0ffee", "data_hash": "da7a", "code_digest": "c0de", "flyte.execution_id": "p:d:exec1"}
 
@@ -77,6 +79,18 @@ def test_iteration_n_of_a_run_loads_back_its_exact_weights(run, tmp_path):
     assert tracking.load_policy(uri, "arith-policy", version=2) == policies[1][0]  # a local source is its own directory
     with pytest.raises(LookupError, match=r"arith-policy .* no version for iteration 7 of run"):
         tracking.load_policy(uri, "arith-policy", run_id=run_id, iteration=7)
+
+
+def test_a_pruned_policy_is_still_registered_and_loading_it_says_it_was_pruned(run, tmp_path):
+    """cluster.keep_policies false: the run's tracking registered the policy before its folder was pruned (the manifest
+    stays, so a resumed run registers it again); loading it names the setting instead of failing on missing weights."""
+    uri, run_id = run
+    path, manifest = published(tmp_path, 2)
+    tracking.register_policy(uri, run_id, path, manifest, 1)
+    record = {"kind": "policy", "iterations_done": 1, "keep_checkpoints": 1, "keep_checkpoints_every": 0}
+    prune(fsspec.filesystem("file"), path, record, keeping=(MANIFEST_FILE,))
+    with pytest.raises(Pruned, match=r"policy .*: pruned after 1 iterations by cluster.keep_checkpoints=1"):
+        tracking.load_policy(uri, "arith-policy", run_id=run_id, iteration=1, dst_path=str(tmp_path / "load"))
 
 
 def test_an_unreachable_registry_warns_and_keeps_the_published_policy(tmp_path, monkeypatch, caplog):
