@@ -2,9 +2,10 @@
 torch elastic restarts and rendezvous, the loop's block size, which checkpoints and policies a run keeps, failure
 notifications.
 
-None of it is an input of a task (changing it re-runs nothing cached): the workflow applies it to the nodes
-it builds (`with_overrides`, workflows/rl.py), and the launch plans (workflows/launch_plans.py) read the
-notification addresses. Local execution ignores retries, timeouts, interruptible and accelerators.
+None of it is an input of a cached task (changing it re-runs nothing cached): the workflow applies it to the nodes
+it builds (`with_overrides`, workflows/rl.py; the prune nodes, which are never cached, take what to keep), and the
+launch plans (workflows/launch_plans.py) read the notification addresses. Local execution ignores retries, timeouts,
+interruptible and accelerators.
 """
 
 from __future__ import annotations
