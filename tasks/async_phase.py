@@ -130,7 +130,7 @@ def async_phase(
         steps=steps,
         transfer=OBJECT_STORE,
     )
-    inputs = (cfg, rollout, reward, algo, train, hooks, health, publish_cfg, uri_of(ckpt.dir), uri_of(policy.dir), state, uri_of(buffer) if buffer else "")
+    inputs = (cfg, rollout, reward, algo, train, hooks, health, publish_cfg, ckpt_dir, policy_dir, state, uri_of(buffer) if buffer else "")
     out, dest = new_artifact(root, "async", first_iteration, *inputs, steps, code)
     print(f"async phase: steps {first_iteration + 1}-{first_iteration + steps} starting")
     result = run_phase_into(spec, out, f"{dest}/checkpoint", f"{dest}/policy", shape)

@@ -44,6 +44,11 @@ def nodes_by_task(spec) -> dict[str, list]:
     return out
 
 
+def inputs(node) -> dict:
+    """{input name: its binding} of a node."""
+    return {b.var: b.binding for b in node.inputs}
+
+
 def template_of(spec, node):
     return next(t for t in spec.tasks if t.id == node.task_node.reference_id)
 

@@ -9,7 +9,7 @@ import pytest
 
 from miles_core.config import AsyncConfig, ClusterConfig, EvalConfig, RunConfig
 from miles_core.loop_plan import phase_plan
-from tests.flyte.futures import DATASET, POLICY, RUN, block_futures, futures, nodes_by_task
+from tests.flyte.futures import DATASET, POLICY, RUN, block_futures, futures, inputs, nodes_by_task
 from workflows.rl import LoopState, rl_loop
 
 pytestmark = pytest.mark.flyte
@@ -21,11 +21,6 @@ def config(iterations: int, block: int = 20, interval: int = 5, schedule: AsyncC
     return dataclasses.replace(
         RunConfig(), iterations=iterations, cluster=ClusterConfig(block_iterations=block), evaluation=EvalConfig(interval=interval), async_phase=schedule
     )
-
-
-def inputs(node) -> dict:
-    """{input name: its binding} of a node."""
-    return {b.var: b.binding for b in node.inputs}
 
 
 def block_range(node) -> tuple[int, int]:

@@ -14,7 +14,7 @@ from miles_core.retention import TOMBSTONE
 from miles_core.weights.manifest import MANIFEST_FILE
 from tasks.local_cache import artifact_uris
 from tests.conftest import REPO, run_workflow, workflow_command, workflow_env
-from tests.flyte.futures import DATASET, POLICY, RUN, block_futures, futures, nodes_by_task
+from tests.flyte.futures import DATASET, POLICY, RUN, block_futures, futures, inputs, nodes_by_task
 from workflows.rl import rl_loop
 
 pytestmark = pytest.mark.flyte
@@ -25,10 +25,6 @@ PRUNE = "tasks.retention.prune_iteration"
 def config(iterations: int, keep: int, every: int, block: int = 20, schedule: AsyncConfig = AsyncConfig(), policies: bool = True) -> RunConfig:
     cluster = ClusterConfig(block_iterations=block, keep_checkpoints=keep, keep_checkpoints_every=every, keep_policies=policies)
     return dataclasses.replace(RunConfig(), iterations=iterations, cluster=cluster, evaluation=EvalConfig(interval=5), async_phase=schedule)
-
-
-def inputs(node) -> dict:
-    return {b.var: b.binding for b in node.inputs}
 
 
 def done_of(by_id: dict, binding) -> int | str | None:
